@@ -1,0 +1,76 @@
+"""What every benchmark shares: the device line, the result file format, timing on the GPU."""
+
+import datetime
+import json
+import logging
+import platform
+import shlex
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+RESULTS_DIR = Path(__file__).resolve().parent / "results"
+
+logger = logging.getLogger(__name__)
+
+
+def device_line() -> str:
+    """A human-readable description of where the benchmark ran (GPU name and driver, or CPU)."""
+    try:
+        import torch
+
+        if torch.cuda.is_available():
+            props = torch.cuda.get_device_properties(0)
+            count = torch.cuda.device_count()
+            return (
+                f"{count}x {props.name} ({props.total_memory // 2**20} MiB), torch {torch.__version__}, "
+                f"CUDA {torch.version.cuda}"
+            )
+    except ImportError:
+        pass
+    return f"CPU {platform.processor() or platform.machine()}, {_cpu_count()} cores, Python {platform.python_version()}"
+
+
+def _cpu_count() -> int:
+    import os
+
+    return len(os.sched_getaffinity(0))
+
+
+def write_results(name: str, rows: list[dict[str, Any]], extra: dict[str, Any] | None = None,
+                  out_dir: Path | None = None) -> Path:
+    """Write ``{"device", "date", "command", "rows", ...}`` to ``<out_dir or bench/results>/<name>.json``."""
+    payload = {
+        "device": device_line(),
+        "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),
+        "command": " ".join(shlex.quote(arg) for arg in [Path(sys.executable).name, *sys.argv]),
+        "rows": rows,
+        **(extra or {}),
+    }
+    target_dir = out_dir or RESULTS_DIR
+    target_dir.mkdir(parents=True, exist_ok=True)
+    path = target_dir / f"{name}.json"
+    path.write_text(json.dumps(payload, indent=2) + "\n")
+    logger.info("wrote %s", path)
+    return path
+
+
+def cuda_time_us(fn: Callable[[], Any], warmup_ms: float = 25, rep_ms: float = 100) -> float:
+    """Median time of ``fn`` on the GPU in microseconds (triton.testing.do_bench, CUDA events)."""
+    from triton.testing import do_bench
+
+    return float(do_bench(fn, warmup=warmup_ms, rep=rep_ms, return_mode="median")) * 1e3
+
+
+def markdown_table(rows: list[dict[str, Any]], columns: list[str]) -> str:
+    """Rows as a GitHub markdown table (floats to 3 significant digits)."""
+
+    def cell(value: Any) -> str:
+        if isinstance(value, float):
+            return f"{value:.3g}"
+        return "" if value is None else str(value)
+
+    lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+    lines += ["| " + " | ".join(cell(row.get(c)) for c in columns) + " |" for row in rows]
+    return "\n".join(lines)

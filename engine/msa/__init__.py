@@ -1,0 +1,1 @@
+"""MSA (MiniMax Sparse Attention): reference semantics and kernels (Triton, FlashInfer)."""

@@ -1,0 +1,51 @@
+"""The ``m3stack`` command: one entry point, one subcommand per component.
+
+Each subcommand lives in its component's ``cli`` module, which exposes
+``add_arguments(options: OptionGroup) -> None`` and ``run(args: argparse.Namespace) -> int``.
+Those modules import only light dependencies at import time, so ``m3stack gateway --help``
+never loads torch.
+"""
+
+import argparse
+import importlib
+import sys
+from collections.abc import Sequence
+
+from m3stack import __version__
+from m3stack.logs import configure_logging
+from m3stack.options import OptionGroup
+
+# name -> (module, one-line help); order is the order --help lists them.
+SUBCOMMANDS: dict[str, tuple[str, str]] = {
+    "up": ("m3stack.up", "run engines and a gateway on this machine (the local stack)"),
+    "engine": ("m3stack.engine.cli", "run one inference engine (gRPC server)"),
+    "gateway": ("m3stack.gateway.cli", "run the OpenAI-compatible HTTP gateway"),
+    "operator": ("m3stack.operator.cli", "run the Kubernetes operator"),
+    "model": ("m3stack.engine.model.cli", "create or inspect model checkpoints"),
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="m3stack",
+        description="Serve MiniMax-M3-class models on Kubernetes or on one machine.",
+    )
+    parser.add_argument("--version", action="version", version=f"m3stack {__version__}")
+    parser.add_argument("--log-level", default=None, help="DEBUG, INFO, WARNING or ERROR [env: M3STACK_LOG_LEVEL]")
+    subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    for name, (module_name, summary) in SUBCOMMANDS.items():
+        module = importlib.import_module(module_name)
+        sub = subparsers.add_parser(name, help=summary, description=module.__doc__)
+        module.add_arguments(OptionGroup(sub, name))
+        sub.set_defaults(_run=module.run)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    configure_logging(args.log_level)
+    return int(args._run(args))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

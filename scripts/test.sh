@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# The whole test suite, as `scripts/dev test` runs it (inside the cached environment).
+# Extra arguments go to pytest.  Exit code: 0 only when lint passed and pytest ran tests that
+# all passed (pytest's "no tests collected", exit 5, is a failure here).
+set -uo pipefail
+
+ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+cd "$ROOT"
+start=$(date +%s)
+status=0
+
+echo "== ruff"
+if ! ruff check .; then status=1; fi
+
+echo "== pytest"
+workers=${M3STACK_TEST_WORKERS:-auto}
+# tests/gpu is the GPU suite: it needs CUDA and runs on the H200 through bench/gpu_suite.py.
+python -m pytest -n "$workers" --dist loadgroup --ignore=tests/gpu "$@"
+pytest_status=$?
+if [[ $pytest_status -eq 5 ]]; then
+  echo "pytest collected no tests: treating that as a failure"
+fi
+if [[ $pytest_status -ne 0 ]]; then status=1; fi
+
+elapsed=$(( $(date +%s) - start ))
+if [[ $status -eq 0 ]]; then
+  echo "SUMMARY: PASS (ruff clean, pytest exit $pytest_status) in ${elapsed}s"
+else
+  echo "SUMMARY: FAIL (pytest exit $pytest_status) in ${elapsed}s"
+fi
+exit $status

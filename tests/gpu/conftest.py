@@ -1,0 +1,10 @@
+"""The GPU suite (run by bench/gpu_suite.py on the H200): it fails, never skips, without CUDA."""
+
+import pytest
+import torch
+
+
+@pytest.fixture(scope="session", autouse=True)
+def require_cuda() -> None:
+    if not torch.cuda.is_available():
+        pytest.fail("tests/gpu needs a CUDA GPU; CI runs the CPU suite only (scripts/test.sh ignores this folder)")

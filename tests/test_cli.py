@@ -1,0 +1,89 @@
+"""The m3stack command: subcommands, help, and flag/env validation with exit code 2."""
+
+import subprocess
+import sys
+
+import pytest
+
+from m3stack import options
+from m3stack.cli import SUBCOMMANDS
+
+
+def _m3stack(*args: str, env: dict[str, str] | None = None, cwd=None) -> subprocess.CompletedProcess:
+    import os
+
+    full_env = {**os.environ, **(env or {})}
+    return subprocess.run(
+        [sys.executable, "-m", "m3stack", *args], capture_output=True, text=True, env=full_env, cwd=cwd, timeout=120
+    )
+
+
+@pytest.mark.parametrize("command", list(SUBCOMMANDS))
+def test_every_subcommand_has_help(command):
+    result = _m3stack(command, "--help")
+    assert result.returncode == 0, result.stderr
+    assert f"m3stack {command}" in result.stdout
+
+
+def test_bad_flag_value_exits_2_with_a_clear_message():
+    result = _m3stack("engine", "--port", "70000")
+    assert result.returncode == 2
+    assert "--port" in result.stderr and "1..65535" in result.stderr
+
+
+def test_bad_environment_value_exits_2_naming_the_variable():
+    result = _m3stack("gateway", env={"M3STACK_GATEWAY_PORT": "http"})
+    assert result.returncode == 2
+    assert "M3STACK_GATEWAY_PORT" in result.stderr and "integer" in result.stderr
+
+
+def test_environment_sets_the_default_and_the_flag_wins():
+    parser = __import__("m3stack.cli", fromlist=["build_parser"]).build_parser
+    import os
+
+    os.environ["M3STACK_ENGINE_PORT"] = "6000"
+    try:
+        assert parser().parse_args(["engine"]).port == 6000
+        assert parser().parse_args(["engine", "--port", "6001"]).port == 6001
+    finally:
+        del os.environ["M3STACK_ENGINE_PORT"]
+
+
+@pytest.mark.parametrize(
+    ("validator", "text", "expected"),
+    [
+        (options.port, "8080", 8080),
+        (options.positive_int, "3", 3),
+        (options.non_negative_float, "0", 0.0),
+        (options.fraction, "0.5", 0.5),
+        (options.boolean, "yes", True),
+        (options.boolean, "off", False),
+        (options.host_port, "[::1]:50051", ("::1", 50051)),
+        (options.host_port_list, "a:1,b:2", [("a", 1), ("b", 2)]),
+    ],
+)
+def test_validators_accept_good_values(validator, text, expected):
+    assert validator(text) == expected
+
+
+@pytest.mark.parametrize(
+    ("validator", "text"),
+    [
+        (options.port, "0"),
+        (options.port, "x"),
+        (options.positive_int, "0"),
+        (options.non_negative_float, "-1"),
+        (options.non_negative_float, "nan"),
+        (options.fraction, "1.5"),
+        (options.boolean, "maybe"),
+        (options.host_port, "nohost"),
+        (options.host_port_list, ","),
+    ],
+)
+def test_validators_reject_bad_values(validator, text):
+    with pytest.raises(Exception, match=r"expected|must|got"):
+        validator(text)
+
+
+def test_env_name():
+    assert options.env_name("engine", "--kv-offload-gb") == "M3STACK_ENGINE_KV_OFFLOAD_GB"
