@@ -17,7 +17,7 @@ from m3stack.options import OptionGroup
 
 # name -> (module, one-line help); order is the order --help lists them.
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
-    "up": ("m3stack.up", "run engines and a gateway on this machine (the local stack)"),
+    "up": ("m3stack.local.cli", "run engines and a gateway on this machine (the local stack)"),
     "engine": ("m3stack.engine.cli", "run one inference engine (gRPC server)"),
     "gateway": ("m3stack.gateway.cli", "run the OpenAI-compatible HTTP gateway"),
     "operator": ("m3stack.operator.cli", "run the Kubernetes operator"),

@@ -1,0 +1,1 @@
+"""The local stack (`m3stack up`): engines and a gateway as processes on loopback."""
