@@ -1,0 +1,1 @@
+"""The built-in concurrency autoscaler: a pure decision function (``algorithm``) and its daemon."""
