@@ -1,0 +1,130 @@
+"""One test control plane shared by every process of a test run (the pytest-xdist workers).
+
+The first process to acquire() builds the binaries if needed and starts the control plane, under
+a file lock the others wait on; each process registers its pid as a holder.  release() drops the
+holder, and the last one out stops the control plane.  A small reaper process, started with the
+control plane, stops it as well once no holder is alive, so a run that was killed (SIGKILL,
+a timeout, a crash) leaves nothing running either.
+
+    python3 shared_cluster.py reap STATE_DIR   (started by acquire(); not for direct use)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import json
+import logging
+import shutil
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import controlplane
+from controlplane import ControlPlane, ControlPlaneError
+from processes import ProcessId
+
+log = logging.getLogger("m3stack.k8s.shared_cluster")
+
+REAP_INTERVAL_S = 1.0
+
+
+class SharedControlPlane:
+    """The control plane of one test run, keyed by a string every process of the run agrees on."""
+
+    def __init__(self, state_dir: Path) -> None:
+        self.state_dir = state_dir
+        self.run_dir = state_dir / "cluster"
+        self._holders_file = state_dir / "holders.json"
+        self._failure_file = state_dir / "failure.txt"
+
+    @contextlib.contextmanager
+    def _locked(self, blocking: bool = True) -> Iterator[bool]:
+        self.state_dir.mkdir(parents=True, exist_ok=True)
+        with open(self.state_dir / "lock", "w") as lock_file:
+            try:
+                fcntl.flock(lock_file, fcntl.LOCK_EX | (0 if blocking else fcntl.LOCK_NB))
+            except BlockingIOError:
+                yield False
+                return
+            yield True
+
+    def _live_holders(self) -> list[ProcessId]:
+        try:
+            holders = [ProcessId.from_json(value) for value in json.loads(self._holders_file.read_text())]
+        except (FileNotFoundError, json.JSONDecodeError):
+            return []
+        return [holder for holder in holders if holder.alive()]
+
+    def _write_holders(self, holders: list[ProcessId]) -> None:
+        self._holders_file.write_text(json.dumps([holder.to_json() for holder in holders]))
+
+    def acquire(self) -> ControlPlane:
+        """The run's control plane, started (and built, once) by the first caller.  Raises
+        ControlPlaneError, also for later callers, when it could not start."""
+        with self._locked():
+            if self._failure_file.exists():
+                raise ControlPlaneError(f"(as for an earlier worker) {self._failure_file.read_text()}")
+            plane = self._running()
+            if plane is None:
+                try:
+                    plane = controlplane.start(self.run_dir, controlplane.binaries_dir(build=True))
+                except ControlPlaneError as error:
+                    self._failure_file.write_text(str(error))
+                    raise
+                self._start_reaper()
+            self._write_holders([*self._live_holders(), ProcessId.current()])
+            return plane
+
+    def _running(self) -> ControlPlane | None:
+        """The control plane already running here, or None after clearing any leftovers."""
+        if not self.run_dir.exists():
+            return None
+        with contextlib.suppress(ControlPlaneError):
+            plane = controlplane.load(self.run_dir)
+            if controlplane.running(plane):
+                return plane
+        controlplane.stop(self.run_dir)
+        return None
+
+    def _start_reaper(self) -> None:
+        with open(self.state_dir / "reaper.log", "ab") as reaper_log:
+            subprocess.Popen(
+                [sys.executable, __file__, "reap", str(self.state_dir)],
+                stdin=subprocess.DEVNULL,
+                stdout=reaper_log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
+
+    def release(self) -> None:
+        """Drops this process as a holder; the last holder stops the control plane."""
+        with self._locked():
+            holders = [holder for holder in self._live_holders() if holder != ProcessId.current()]
+            self._write_holders(holders)
+            if not holders:
+                self._stop_all()
+
+    def _stop_all(self) -> None:
+        controlplane.stop(self.run_dir)
+        shutil.rmtree(self.state_dir, ignore_errors=True)
+
+    def reap(self) -> None:
+        """Waits until no holder is alive, then stops the control plane (the reaper's loop)."""
+        while self.run_dir.exists():
+            time.sleep(REAP_INTERVAL_S)
+            with self._locked(blocking=False) as locked:
+                # A holder busy under the lock (starting, registering) is alive by definition.
+                if locked and self.run_dir.exists() and not self._live_holders():
+                    log.info("no test process holds %s any more: stopping it", self.run_dir)
+                    self._stop_all()
+                    return
+
+
+if __name__ == "__main__":
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s [k8s-reaper] %(message)s", stream=sys.stderr)
+    if len(sys.argv) != 3 or sys.argv[1] != "reap":
+        sys.exit(f"usage: {sys.argv[0]} reap STATE_DIR")
+    SharedControlPlane(Path(sys.argv[2])).reap()
