@@ -1,0 +1,149 @@
+"""Per-request page tables on top of the block pool: prefix lookup, slot allocation, publication, release.
+
+The scheduler asks three things: how much of a waiting request's prefix is already cached
+(``find_cached_prefix``), whether the next ``n`` tokens of a request fit (``allocate``), and, after
+the step ran, to publish the request's newly completed blocks in the prefix cache
+(``publish_computed_blocks``).  Publishing only after the forward wrote them means no request can
+ever read a page whose content is still being computed, whatever the attention backend does.
+"""
+
+import logging
+from collections.abc import Sequence
+
+from m3stack.engine.runtime.block_pool import BlockPool, KVBlock
+from m3stack.engine.runtime.prefix_cache import extend_block_hashes
+from m3stack.engine.runtime.request import Request
+
+logger = logging.getLogger(__name__)
+
+
+def blocks_for(num_tokens: int, block_size: int) -> int:
+    return -(-num_tokens // block_size)
+
+
+class KVCacheManager:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.pool = BlockPool(num_blocks, enable_caching=enable_prefix_caching)
+        self._blocks: dict[str, list[KVBlock]] = {}
+        self._block_ids: dict[str, list[int]] = {}  # the same page tables as plain ids, for the runner
+        self._num_published: dict[str, int] = {}
+        # Prompt tokens looked up in / found in the prefix cache at first admission (Prometheus counters).
+        self.prefix_query_tokens = 0
+        self.prefix_hit_tokens = 0
+
+    # --- queries --------------------------------------------------------------------------------
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.pool.num_free_blocks
+
+    @property
+    def usage(self) -> float:
+        return self.pool.usage
+
+    @property
+    def capacity_tokens(self) -> int:
+        return self.pool.num_usable_blocks * self.block_size
+
+    def block_ids(self, request_id: str) -> list[int]:
+        """The request's page table (a live list, appended to as the request grows; do not modify)."""
+        return self._block_ids.get(request_id, [])
+
+    def num_held_blocks(self, request_id: str) -> int:
+        return len(self._blocks.get(request_id, ()))
+
+    def find_cached_prefix(self, request: Request) -> list[KVBlock]:
+        """The longest run of cached blocks at the start of the request's tokens.
+
+        At least one token is always left to compute: the step that computes it produces the
+        logits of the next token.
+        """
+        if not self.enable_prefix_caching:
+            return []
+        extend_block_hashes(request, self.block_size)
+        max_blocks = (request.num_tokens - 1) // self.block_size
+        hits = []
+        for block_hash in request.block_hashes[:max_blocks]:
+            block = self.pool.lookup(block_hash)
+            if block is None:
+                break
+            hits.append(block)
+        return hits
+
+    def num_new_blocks(self, request: Request, num_new_tokens: int, cached_prefix: Sequence[KVBlock] = ()) -> int:
+        """Free-list slots that adding ``num_new_tokens`` (after a prefix hit of ``cached_prefix``) consumes."""
+        held = self.num_held_blocks(request.request_id)
+        total_tokens = request.num_computed_tokens + len(cached_prefix) * self.block_size + num_new_tokens
+        fresh = max(0, blocks_for(total_tokens, self.block_size) - held - len(cached_prefix))
+        # An idle cached block sits in the free list: taking a reference removes it from there too.
+        idle_hits = sum(1 for block in cached_prefix if block.ref_count == 0)
+        return fresh + idle_hits
+
+    # --- changes --------------------------------------------------------------------------------
+
+    def allocate(
+        self, request: Request, num_new_tokens: int, cached_prefix: Sequence[KVBlock] = (), reserve: int = 0
+    ) -> bool:
+        """Make room for the request's next ``num_new_tokens`` tokens, first taking ``cached_prefix``.
+
+        Returns False and changes nothing when fewer than the needed blocks plus ``reserve`` are free.
+        The caller advances ``request.num_computed_tokens`` past the prefix it accepted.
+        """
+        if self.num_new_blocks(request, num_new_tokens, cached_prefix) + reserve > self.pool.num_free_blocks:
+            return False
+        held = self._blocks.setdefault(request.request_id, [])
+        ids = self._block_ids.setdefault(request.request_id, [])
+        self._num_published.setdefault(request.request_id, 0)
+        if cached_prefix:
+            if held:
+                raise RuntimeError(f"{request}: a cached prefix can only start an empty page table")
+            self.pool.touch(cached_prefix)
+            held.extend(cached_prefix)
+            self._num_published[request.request_id] = len(cached_prefix)
+        total_tokens = request.num_computed_tokens + len(cached_prefix) * self.block_size + num_new_tokens
+        missing = blocks_for(total_tokens, self.block_size) - len(held)
+        if missing > 0:
+            held.extend(self.pool.allocate(missing))
+        ids.extend(block.block_id for block in held[len(ids) :])
+        return True
+
+    def publish_computed_blocks(self, request: Request) -> None:
+        """Enter the request's full, computed blocks into the prefix cache."""
+        if not self.enable_prefix_caching:
+            return
+        held = self._blocks.get(request.request_id)
+        if not held:
+            return
+        num_full = min(request.num_computed_tokens // self.block_size, len(held))
+        start = self._num_published[request.request_id]
+        if num_full <= start:
+            return
+        extend_block_hashes(request, self.block_size)
+        for index in range(start, num_full):
+            self.pool.cache(held[index], request.block_hashes[index])
+        self._num_published[request.request_id] = num_full
+
+    def record_prefix_lookup(self, num_prompt_tokens: int, num_hit_tokens: int) -> None:
+        self.prefix_query_tokens += num_prompt_tokens
+        self.prefix_hit_tokens += num_hit_tokens
+
+    def free(self, request: Request) -> None:
+        """Release every block of the request; cached ones stay findable until evicted."""
+        held = self._blocks.pop(request.request_id, None)
+        self._block_ids.pop(request.request_id, None)
+        self._num_published.pop(request.request_id, None)
+        if held:
+            self.pool.release(reversed(held))
+
+    def live_references(self) -> dict[int, int]:
+        """Block id -> number of live requests holding it (for invariant checks)."""
+        refs: dict[int, int] = {}
+        for blocks in self._blocks.values():
+            for block in blocks:
+                refs[block.block_id] = refs.get(block.block_id, 0) + 1
+        return refs
+
+    def check_invariants(self) -> None:
+        self.pool.check_invariants(self.live_references())

@@ -1,0 +1,64 @@
+"""Prefix-cache keys: a hash chain over full blocks of a request's tokens.
+
+Block i's hash covers (hash of block i-1, block i's token ids, the content hashes of the multimodal
+items whose placeholder spans overlap the block, and the cache salt on block 0).  Two requests
+share block i's KV exactly when their first (i + 1) * block_size tokens, the images/videos behind
+them and the salt are equal, because a block's K/V (and MSA index keys) depend only on those.
+Only full blocks are hashed: a partial tail is never shared.
+"""
+
+import hashlib
+import struct
+from collections.abc import Sequence
+
+import numpy as np
+
+from m3stack.engine.runtime.request import MultimodalInput, Request
+
+ROOT_HASH = bytes(32)
+
+# Field tags keep differently-shaped inputs from ever serializing to the same bytes.
+_TAG_TOKENS = b"T"
+_TAG_MM = b"M"
+_TAG_SALT = b"S"
+
+
+def _length_prefixed(tag: bytes, payload: bytes) -> bytes:
+    return tag + struct.pack("<Q", len(payload)) + payload
+
+
+def hash_block(parent_hash: bytes, token_ids: Sequence[int], mm_hashes: Sequence[str] = (), salt: str = "") -> bytes:
+    """SHA-256 of one block's key; 32 bytes, so collisions are not a practical concern."""
+    digest = hashlib.sha256(parent_hash)
+    digest.update(_length_prefixed(_TAG_TOKENS, np.asarray(token_ids, dtype="<u4").tobytes()))
+    for mm_hash in mm_hashes:
+        digest.update(_length_prefixed(_TAG_MM, mm_hash.encode()))
+    if salt:
+        digest.update(_length_prefixed(_TAG_SALT, salt.encode()))
+    return digest.digest()
+
+
+def overlapping_mm_hashes(mm_inputs: Sequence[MultimodalInput], start: int, end: int) -> list[str]:
+    """Content hashes of the items whose placeholder spans intersect token positions [start, end)."""
+    hashes = []
+    for item in mm_inputs:
+        item_start, item_end = item.span
+        if item_start < end and start < item_end:
+            hashes.append(item.content_hash)
+    return hashes
+
+
+def extend_block_hashes(request: Request, block_size: int) -> None:
+    """Append the hashes of the request's newly completed full blocks to ``request.block_hashes``."""
+    num_full_blocks = request.num_tokens // block_size
+    hashes = request.block_hashes
+    parent = hashes[-1] if hashes else ROOT_HASH
+    for index in range(len(hashes), num_full_blocks):
+        start, end = index * block_size, (index + 1) * block_size
+        parent = hash_block(
+            parent,
+            request.token_ids[start:end],
+            overlapping_mm_hashes(request.mm_inputs, start, end),
+            request.cache_salt if index == 0 else "",
+        )
+        hashes.append(parent)
