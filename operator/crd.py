@@ -1,0 +1,541 @@
+"""The M3Deployment CustomResourceDefinition: the single source of the API (schema, defaults, CEL rules).
+
+``python -m m3stack.operator.crd`` writes it into the Helm chart; ``--check`` exits 1 when the
+committed copy is stale (a test runs that check).  ``spec.py`` reads specs through
+``schema.apply_defaults(SPEC_SCHEMA, ...)``, so the operator and the API server agree on defaults.
+"""
+
+import argparse
+import sys
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from m3stack.operator.schema import (
+    DNS_SUBDOMAIN_PATTERN,
+    Schema,
+    array,
+    boolean,
+    integer,
+    number,
+    obj,
+    preserved,
+    quantity,
+    quantity_map,
+    rule,
+    string,
+    string_map,
+)
+
+GROUP = "m3stack.io"
+VERSION = "v1alpha1"
+API_VERSION = f"{GROUP}/{VERSION}"
+KIND = "M3Deployment"
+PLURAL = "m3deployments"
+SINGULAR = "m3deployment"
+SHORT_NAMES = ["m3d"]
+CRD_NAME = f"{PLURAL}.{GROUP}"
+
+# Children are named "<name>-gateway" etc.; a Service name is a DNS-1035 label of at most 63 characters.
+MAX_NAME_LENGTH = 50
+DNS_1035_PATTERN = r"^[a-z]([-a-z0-9]*[a-z0-9])?$"
+ABSOLUTE_PATH_RULE = rule("self.startsWith('/')", "must be an absolute path")
+# Extended resource names such as nvidia.com/gpu or amd.com/gpu.
+EXTENDED_RESOURCE_PATTERN = r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?/[a-zA-Z0-9]([-a-zA-Z0-9_.]*[a-zA-Z0-9])?$"
+
+
+def _image(component: str) -> Schema:
+    return string(
+        f"Container image of the {component}; the operator's default image (Helm value) when unset.",
+        min_length=1,
+        max_length=512,
+    )
+
+
+def _pull_policy() -> Schema:
+    return string("Image pull policy.", default="IfNotPresent", enum=["Always", "IfNotPresent", "Never"])
+
+
+def _port(description: str, default: int) -> Schema:
+    return integer(description, default=default, minimum=1, maximum=65535)
+
+
+def _resources(description: str, default_requests: dict[str, str], default_limits: dict[str, str]) -> Schema:
+    return obj(
+        description,
+        {
+            "requests": quantity_map("Minimum resources the scheduler reserves (cpu, memory, ...)."),
+            "limits": quantity_map("Maximum resources the container may use."),
+        },
+        default={"requests": default_requests, "limits": default_limits},
+    )
+
+
+def _drain(pre_stop_seconds: int, shutdown_timeout_seconds: int) -> Schema:
+    return obj(
+        "Graceful shutdown. The pod stays in service preStopSeconds after it leaves the endpoints (so "
+        "routers notice), then gets SIGTERM and has shutdownTimeoutSeconds to finish in-flight requests; "
+        "terminationGracePeriodSeconds is their sum plus 15 s.",
+        {
+            "preStopSeconds": integer(
+                "Seconds between leaving the endpoints and SIGTERM.", default=pre_stop_seconds, minimum=0, maximum=300
+            ),
+            "shutdownTimeoutSeconds": integer(
+                "Seconds after SIGTERM to finish in-flight requests before the rest are aborted.",
+                default=shutdown_timeout_seconds,
+                minimum=0,
+                maximum=3600,
+            ),
+        },
+        default={},
+    )
+
+
+def _toleration() -> Schema:
+    return obj(
+        "A toleration (core/v1 Toleration).",
+        {
+            "key": string("Taint key; empty with operator Exists matches every taint.", max_length=316),
+            "operator": string("How the value is compared.", enum=["Exists", "Equal"]),
+            "value": string("Taint value (operator Equal).", max_length=63),
+            "effect": string(
+                "Taint effect to tolerate; empty matches all.", enum=["", "NoSchedule", "PreferNoSchedule", "NoExecute"]
+            ),
+            "tolerationSeconds": integer("How long a NoExecute taint is tolerated.", fmt="int64"),
+        },
+    )
+
+
+def _scheduling_fields(component: str) -> dict[str, Schema]:
+    return {
+        "nodeSelector": string_map(f"Node labels the {component} pods require."),
+        "tolerations": array(f"Taints the {component} pods tolerate.", _toleration(), max_items=32),
+        "priorityClassName": string(
+            f"PriorityClass of the {component} pods.", pattern=DNS_SUBDOMAIN_PATTERN, max_length=253
+        ),
+    }
+
+
+def _env() -> Schema:
+    variable = obj(
+        "An environment variable (core/v1 EnvVar).",
+        {
+            "name": string("Variable name.", min_length=1, max_length=256),
+            "value": string("Literal value.", max_length=32768),
+            "valueFrom": preserved("A core/v1 EnvVarSource (secretKeyRef, configMapKeyRef, fieldRef...)."),
+        },
+        required=["name"],
+        rules=[rule("!(has(self.value) && has(self.valueFrom))", "set value or valueFrom, not both")],
+    )
+    return array(
+        "Extra environment variables (secrets such as HF_TOKEN go here through valueFrom).",
+        variable,
+        max_items=64,
+        list_type="map",
+        map_keys=["name"],
+    )
+
+
+def _extra_args(command: str) -> Schema:
+    return array(
+        f"Flags appended to `m3stack {command}` (for settings this resource does not model).",
+        string("One argument.", max_length=1024),
+        max_items=64,
+    )
+
+
+MODEL_SCHEMA = obj(
+    "The checkpoint to serve (Hugging Face layout: config.json, safetensors shards, tokenizer, preprocessor).",
+    {
+        "name": string(
+            "Model name clients send in requests (OpenAI `model`).",
+            min_length=1,
+            max_length=128,
+            pattern=r"^[A-Za-z0-9][-A-Za-z0-9._/:]*$",
+        ),
+        "path": string(
+            "Checkpoint folder inside the pods (absolute), or 'default' for the embedded tiny random-weight model.",
+            default="default",
+            max_length=1024,
+            rules=[rule("self == 'default' || self.startsWith('/')", "must be an absolute path or 'default'")],
+        ),
+        "pvc": obj(
+            "A PersistentVolumeClaim holding the checkpoint, mounted read-only in engine and gateway pods.",
+            {
+                "claimName": string("Name of the claim.", min_length=1, pattern=DNS_SUBDOMAIN_PATTERN),
+                "mountPath": string(
+                    "Where the claim is mounted.", default="/models", max_length=512, rules=[ABSOLUTE_PATH_RULE]
+                ),
+            },
+            required=["claimName"],
+        ),
+    },
+    required=["name"],
+    rules=[
+        rule(
+            "!has(self.pvc) || self.path == self.pvc.mountPath || self.path.startsWith(self.pvc.mountPath + '/')",
+            "model.path must lie under model.pvc.mountPath",
+            field_path=".path",
+        )
+    ],
+)
+
+GATEWAY_SCHEMA = obj(
+    "The CPU tier: OpenAI-compatible HTTP API, tokenization, image/video preprocessing, routing to engines.",
+    {
+        "replicas": integer(
+            "Gateway pods (ignored while autoscaling.gateway is enabled).", default=2, minimum=0, maximum=1000
+        ),
+        "image": _image("gateway"),
+        "imagePullPolicy": _pull_policy(),
+        "port": _port("HTTP port of the API.", 8000),
+        "resources": _resources("Gateway container resources.", {"cpu": "2", "memory": "4Gi"}, {"memory": "8Gi"}),
+        "drain": _drain(pre_stop_seconds=10, shutdown_timeout_seconds=60),
+        "env": _env(),
+        "extraArgs": _extra_args("gateway"),
+        **_scheduling_fields("gateway"),
+    },
+    default={},
+)
+
+ENGINE_SCHEMA = obj(
+    "The GPU tier: engine pods running the model behind gRPC (engine.proto).",
+    {
+        "replicas": integer(
+            "Engine pods. This is the /scale subresource: `kubectl scale m3d/NAME --replicas=N`, HPA and KEDA "
+            "write it.",
+            default=1,
+            minimum=0,
+            maximum=1000,
+        ),
+        "image": _image("engine"),
+        "imagePullPolicy": _pull_policy(),
+        "accelerator": obj(
+            "GPUs per engine pod.",
+            {
+                "resource": string(
+                    "Extended resource name of the device.",
+                    default="nvidia.com/gpu",
+                    pattern=EXTENDED_RESOURCE_PATTERN,
+                    max_length=253,
+                ),
+                "count": integer("Devices per engine pod; 0 runs the engine on CPU.", default=1, minimum=0, maximum=16),
+                "product": string(
+                    "Required GPU product (node label nvidia.com/gpu.product), e.g. NVIDIA-H200 or NVIDIA-B200.",
+                    min_length=1,
+                    max_length=63,
+                    pattern=r"^[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?$",
+                ),
+            },
+            default={},
+            rules=[rule("!has(self.product) || self.count > 0", "accelerator.product needs accelerator.count > 0")],
+        ),
+        "parallelism": obj(
+            "How one engine spreads the model over its devices.",
+            {"tensor": integer("Tensor-parallel degree.", default=1, minimum=1, maximum=16)},
+            default={},
+        ),
+        "resources": _resources(
+            "Engine container CPU and memory (the device count comes from accelerator; the memory request and "
+            "limit grow by kvCache.cpuOffload.size).",
+            {"cpu": "8", "memory": "64Gi"},
+            {"memory": "64Gi"},
+        ),
+        "kvCache": obj(
+            "KV cache placement.",
+            {
+                "cpuOffload": obj(
+                    "KV blocks offloaded to pinned host memory; the size is added to the pod's memory request.",
+                    {"size": quantity("Host memory for offloaded KV blocks (0 disables offload).", default="0")},
+                    default={},
+                )
+            },
+            default={},
+        ),
+        "grpcPort": _port("gRPC port (engine.proto and grpc.health.v1).", 50051),
+        "metricsPort": _port("HTTP port for /metrics, /loaded and /health.", 9400),
+        "startup": obj(
+            "Model loading.",
+            {
+                "timeoutSeconds": integer(
+                    "How long the model may take to load before the pod is restarted (startupProbe).",
+                    default=1800,
+                    minimum=30,
+                    maximum=86400,
+                )
+            },
+            default={},
+        ),
+        "drain": _drain(pre_stop_seconds=15, shutdown_timeout_seconds=300),
+        "shmSize": quantity("Size of the memory-backed /dev/shm.", default="16Gi"),
+        "env": _env(),
+        "extraArgs": _extra_args("engine"),
+        **_scheduling_fields("engine"),
+    },
+    default={},
+    rules=[
+        rule("self.grpcPort != self.metricsPort", "engine.grpcPort and engine.metricsPort must differ"),
+        rule(
+            "self.accelerator.count == 0 || self.parallelism.tensor <= self.accelerator.count",
+            "parallelism.tensor must not exceed accelerator.count",
+            field_path=".parallelism.tensor",
+        ),
+    ],
+)
+
+ENGINE_AUTOSCALING_SCHEMA = obj(
+    "Engine autoscaling on in-flight requests (Knative KPA math with GPU-friendly windows).",
+    {
+        "mode": string(
+            "Builtin: the operator's concurrency autoscaler; KEDA or HPA: external autoscalers driving /scale; "
+            "None: engine replicas stay as set.",
+            default="None",
+            enum=["Builtin", "KEDA", "HPA", "None"],
+        ),
+        "minReplicas": integer("Fewest engines.", default=1, minimum=0, maximum=1000),
+        "maxReplicas": integer("Most engines.", default=8, minimum=1, maximum=1000),
+        "targetConcurrency": integer("In-flight requests one engine is sized for.", default=64, minimum=1),
+        "targetUtilization": number(
+            "Fraction of targetConcurrency to aim for.", default=0.7, minimum=0, maximum=1, exclusive_minimum=True
+        ),
+        "stableWindowSeconds": integer("Averaging window in normal mode.", default=180, minimum=6, maximum=3600),
+        "panicWindowSeconds": integer("Averaging window in panic mode.", default=60, minimum=1, maximum=3600),
+        "panicThreshold": number("Demand over ready capacity that starts panic mode.", default=2.0, minimum=1),
+        "maxScaleUpRate": number("Largest growth factor per decision.", default=2.0, minimum=1),
+        "maxScaleDownRate": number("Largest shrink factor per decision.", default=2.0, minimum=1),
+        "scaleDownDelaySeconds": integer(
+            "Scale down only to the highest decision of this window.", default=300, minimum=0, maximum=3600
+        ),
+    },
+    default={},
+    rules=[
+        rule("self.minReplicas <= self.maxReplicas", "autoscaling.engine.minReplicas must be <= maxReplicas"),
+        rule(
+            "self.panicWindowSeconds <= self.stableWindowSeconds",
+            "autoscaling.engine.panicWindowSeconds must be <= stableWindowSeconds",
+        ),
+    ],
+)
+
+GATEWAY_AUTOSCALING_SCHEMA = obj(
+    "Gateway autoscaling: a CPU HorizontalPodAutoscaler on the gateway Deployment.",
+    {
+        "enabled": boolean("Create the HPA (the gateway's replicas field is then left to it).", default=False),
+        "minReplicas": integer("Fewest gateways.", default=2, minimum=1, maximum=1000),
+        "maxReplicas": integer("Most gateways.", default=16, minimum=1, maximum=1000),
+        "targetCPUUtilizationPercentage": integer("Average CPU to aim for.", default=60, minimum=1, maximum=100),
+    },
+    default={},
+    rules=[rule("self.minReplicas <= self.maxReplicas", "autoscaling.gateway.minReplicas must be <= maxReplicas")],
+)
+
+EXPOSURE_SCHEMA = obj(
+    "How clients reach the gateway.",
+    {
+        "service": obj(
+            "The gateway Service.",
+            {"type": string("Service type.", default="ClusterIP", enum=["ClusterIP", "NodePort", "LoadBalancer"])},
+            default={},
+        ),
+        "ingress": obj(
+            "An Ingress in front of the gateway Service (streaming responses: disable proxy buffering in the "
+            "annotations of your controller).",
+            {
+                "host": string("Host name.", pattern=DNS_SUBDOMAIN_PATTERN),
+                "className": string("IngressClass.", pattern=DNS_SUBDOMAIN_PATTERN),
+                "path": string("Path prefix.", default="/", max_length=512, rules=[ABSOLUTE_PATH_RULE]),
+                "annotations": string_map("Annotations for the Ingress controller.", value_max_length=4096),
+                "tls": obj(
+                    "Serve HTTPS with a certificate Secret.",
+                    {"secretName": string("TLS Secret name.", min_length=1, pattern=DNS_SUBDOMAIN_PATTERN)},
+                    required=["secretName"],
+                ),
+            },
+            rules=[rule("!has(self.tls) || has(self.host)", "exposure.ingress.tls needs exposure.ingress.host")],
+        ),
+    },
+    default={},
+)
+
+SPEC_SCHEMA = obj(
+    "Desired state of one served model: gateways and engines.",
+    {
+        "suspend": boolean("Scale gateways and engines to zero while keeping everything else.", default=False),
+        "model": MODEL_SCHEMA,
+        "gateway": GATEWAY_SCHEMA,
+        "engine": ENGINE_SCHEMA,
+        "autoscaling": obj(
+            "Autoscaling of engines and gateways.",
+            {"engine": ENGINE_AUTOSCALING_SCHEMA, "gateway": GATEWAY_AUTOSCALING_SCHEMA},
+            default={},
+        ),
+        "exposure": EXPOSURE_SCHEMA,
+    },
+    required=["model"],
+)
+
+
+def _component_status(component: str) -> Schema:
+    return obj(
+        f"Observed {component} pods.",
+        {
+            "replicas": integer("Pods that exist.", minimum=0),
+            "readyReplicas": integer("Pods that are Ready.", minimum=0),
+            "updatedReplicas": integer("Pods of the current template.", minimum=0),
+            "availableReplicas": integer("Pods Ready for at least minReadySeconds.", minimum=0),
+            "selector": string("Label selector of the pods.", max_length=1024),
+        },
+    )
+
+
+CONDITION_SCHEMA = obj(
+    "A metav1.Condition.",
+    {
+        "type": string("Condition type.", min_length=1, max_length=316),
+        "status": string("True, False or Unknown.", enum=["True", "False", "Unknown"]),
+        "reason": string("Machine-readable CamelCase reason.", max_length=1024),
+        "message": string("Human-readable details.", max_length=32768),
+        "lastTransitionTime": {
+            "type": "string",
+            "format": "date-time",
+            "description": "When the status last changed.",
+        },
+        "observedGeneration": integer("Generation the condition was computed for.", minimum=0, fmt="int64"),
+    },
+    required=["type", "status"],
+)
+
+STATUS_SCHEMA = obj(
+    "Observed state, written by the operator.",
+    {
+        "observedGeneration": integer("Generation of the spec the children were rendered from.", fmt="int64"),
+        "phase": string(
+            "One-word summary.", enum=["Pending", "Progressing", "Ready", "Degraded", "Suspended", "Failed"]
+        ),
+        "url": string("Base URL of the OpenAI-compatible API.", max_length=2048),
+        "conditions": array(
+            "Ready, GatewayReady, EnginesReady, Progressing, Degraded, AutoscalingActive.",
+            CONDITION_SCHEMA,
+            max_items=16,
+            list_type="map",
+            map_keys=["type"],
+        ),
+        "gateway": _component_status("gateway"),
+        "engine": _component_status("engine"),
+        "autoscaling": obj(
+            "State of the engine autoscaler.",
+            {
+                "mode": string("Active mode.", enum=["Builtin", "KEDA", "HPA", "None"]),
+                "desiredReplicas": integer("Last decision.", minimum=0),
+                "observedConcurrency": number("Averaged in-flight requests over all engines."),
+                "state": string("Stable or Panic.", enum=["Stable", "Panic"]),
+                "lastScaleTime": {"type": "string", "format": "date-time", "description": "Last change of replicas."},
+            },
+        ),
+    },
+)
+
+ROOT_RULES = [
+    rule(
+        f"size(self.metadata.name) <= {MAX_NAME_LENGTH} && self.metadata.name.matches('{DNS_1035_PATTERN}')",
+        f"metadata.name must be a DNS-1035 label (lowercase letters, digits, '-', starting with a letter) of at "
+        f"most {MAX_NAME_LENGTH} characters: children are named <name>-engine and <name>-gateway",
+    )
+]
+
+PRINTER_COLUMNS: list[dict[str, Any]] = [
+    {"name": "Model", "type": "string", "jsonPath": ".spec.model.name"},
+    {"name": "Ready", "type": "string", "jsonPath": '.status.conditions[?(@.type=="Ready")].status'},
+    {"name": "Engines", "type": "integer", "jsonPath": ".status.engine.readyReplicas"},
+    {"name": "Desired", "type": "integer", "jsonPath": ".spec.engine.replicas"},
+    {"name": "Gateways", "type": "integer", "jsonPath": ".status.gateway.readyReplicas"},
+    {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},
+    {"name": "Reason", "type": "string", "priority": 1, "jsonPath": '.status.conditions[?(@.type=="Ready")].reason'},
+    {"name": "URL", "type": "string", "priority": 1, "jsonPath": ".status.url"},
+]
+
+
+def crd_manifest() -> dict[str, Any]:
+    """The CustomResourceDefinition object."""
+    root = {
+        "type": "object",
+        "description": "M3Deployment serves one MiniMax-M3-class model with CPU gateways and GPU engines.",
+        "properties": {
+            "apiVersion": {"type": "string", "description": "API version."},
+            "kind": {"type": "string", "description": "Kind."},
+            "metadata": {"type": "object"},
+            "spec": SPEC_SCHEMA,
+            "status": STATUS_SCHEMA,
+        },
+        "required": ["spec"],
+        "x-kubernetes-validations": ROOT_RULES,
+    }
+    return {
+        "apiVersion": "apiextensions.k8s.io/v1",
+        "kind": "CustomResourceDefinition",
+        "metadata": {
+            "name": CRD_NAME,
+            "labels": {"app.kubernetes.io/name": "m3stack", "app.kubernetes.io/component": "crd"},
+            # Uninstalling the chart must not delete every M3Deployment in the cluster with it.
+            "annotations": {"helm.sh/resource-policy": "keep"},
+        },
+        "spec": {
+            "group": GROUP,
+            "scope": "Namespaced",
+            "names": {
+                "kind": KIND,
+                "listKind": f"{KIND}List",
+                "plural": PLURAL,
+                "singular": SINGULAR,
+                "shortNames": SHORT_NAMES,
+                "categories": ["m3stack"],
+            },
+            "versions": [
+                {
+                    "name": VERSION,
+                    "served": True,
+                    "storage": True,
+                    "schema": {"openAPIV3Schema": root},
+                    "subresources": {
+                        "status": {},
+                        "scale": {
+                            "specReplicasPath": ".spec.engine.replicas",
+                            "statusReplicasPath": ".status.engine.replicas",
+                            "labelSelectorPath": ".status.engine.selector",
+                        },
+                    },
+                    "additionalPrinterColumns": PRINTER_COLUMNS,
+                }
+            ],
+        },
+    }
+
+
+def crd_yaml() -> str:
+    header = "# Generated by `python -m m3stack.operator.crd` from operator/crd.py; do not edit.\n"
+    return header + yaml.safe_dump(crd_manifest(), sort_keys=False, width=120)
+
+
+CHART_CRD_PATH = Path(__file__).resolve().parent.parent / "helm" / "m3stack" / "files" / "crds" / f"{CRD_NAME}.yaml"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m m3stack.operator.crd", description=__doc__)
+    parser.add_argument("--output", type=Path, default=CHART_CRD_PATH, help="where the CRD YAML goes")
+    parser.add_argument("--check", action="store_true", help="exit 1 if the file differs from the generated CRD")
+    args = parser.parse_args(argv)
+    text = crd_yaml()
+    if args.check:
+        current = args.output.read_text() if args.output.exists() else ""
+        if current != text:
+            sys.stderr.write(f"{args.output} is stale: run `python -m m3stack.operator.crd`\n")
+            return 1
+        return 0
+    args.output.parent.mkdir(parents=True, exist_ok=True)
+    args.output.write_text(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,275 @@
+"""A typed, defaulted view of an M3Deployment: what the render functions read.
+
+Defaults come from the CRD schema itself (``schema.apply_defaults``), so a spec read here equals the
+spec the API server stores, whether or not the object came through an API server.
+"""
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from m3stack.operator.crd import SPEC_SCHEMA
+from m3stack.operator.quantity import parse_quantity
+from m3stack.operator.schema import apply_defaults
+
+# Seconds on top of preStop + shutdown timeout before the kubelet kills a terminating pod.
+TERMINATION_MARGIN_SECONDS = 15
+
+
+@dataclass(frozen=True)
+class Drain:
+    pre_stop_seconds: int
+    shutdown_timeout_seconds: int
+
+    @property
+    def termination_grace_period_seconds(self) -> int:
+        return self.pre_stop_seconds + self.shutdown_timeout_seconds + TERMINATION_MARGIN_SECONDS
+
+
+@dataclass(frozen=True)
+class Resources:
+    requests: dict[str, str | int] = field(default_factory=dict)
+    limits: dict[str, str | int] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Scheduling:
+    node_selector: dict[str, str] = field(default_factory=dict)
+    tolerations: list[dict[str, Any]] = field(default_factory=list)
+    priority_class_name: str | None = None
+
+
+@dataclass(frozen=True)
+class Model:
+    name: str
+    path: str
+    pvc_claim_name: str | None
+    pvc_mount_path: str | None
+
+
+@dataclass(frozen=True)
+class Gateway:
+    replicas: int
+    image: str | None
+    pull_policy: str
+    port: int
+    resources: Resources
+    drain: Drain
+    env: list[dict[str, Any]]
+    extra_args: list[str]
+    scheduling: Scheduling
+
+
+@dataclass(frozen=True)
+class Accelerator:
+    resource: str
+    count: int
+    product: str | None
+
+
+@dataclass(frozen=True)
+class Engine:
+    replicas: int
+    image: str | None
+    pull_policy: str
+    accelerator: Accelerator
+    tensor_parallel: int
+    resources: Resources
+    cpu_offload_bytes: int
+    grpc_port: int
+    metrics_port: int
+    startup_timeout_seconds: int
+    drain: Drain
+    shm_size: str | int
+    env: list[dict[str, Any]]
+    extra_args: list[str]
+    scheduling: Scheduling
+
+
+@dataclass(frozen=True)
+class EngineAutoscaling:
+    mode: str
+    min_replicas: int
+    max_replicas: int
+    target_concurrency: int
+    target_utilization: float
+    stable_window_seconds: int
+    panic_window_seconds: int
+    panic_threshold: float
+    max_scale_up_rate: float
+    max_scale_down_rate: float
+    scale_down_delay_seconds: int
+
+
+@dataclass(frozen=True)
+class GatewayAutoscaling:
+    enabled: bool
+    min_replicas: int
+    max_replicas: int
+    target_cpu_utilization_percentage: int
+
+
+@dataclass(frozen=True)
+class Ingress:
+    host: str | None
+    class_name: str | None
+    path: str
+    annotations: dict[str, str]
+    tls_secret_name: str | None
+
+
+@dataclass(frozen=True)
+class Exposure:
+    service_type: str
+    ingress: Ingress | None
+
+
+@dataclass(frozen=True)
+class M3DeploymentSpec:
+    suspend: bool
+    model: Model
+    gateway: Gateway
+    engine: Engine
+    engine_autoscaling: EngineAutoscaling
+    gateway_autoscaling: GatewayAutoscaling
+    exposure: Exposure
+
+    @classmethod
+    def from_dict(cls, raw: Mapping[str, Any]) -> "M3DeploymentSpec":
+        spec = apply_defaults(SPEC_SCHEMA, dict(raw))
+        autoscaling = spec["autoscaling"]
+        return cls(
+            suspend=spec["suspend"],
+            model=_model(spec["model"]),
+            gateway=_gateway(spec["gateway"]),
+            engine=_engine(spec["engine"]),
+            engine_autoscaling=_engine_autoscaling(autoscaling["engine"]),
+            gateway_autoscaling=_gateway_autoscaling(autoscaling["gateway"]),
+            exposure=_exposure(spec["exposure"]),
+        )
+
+
+@dataclass(frozen=True)
+class M3Deployment:
+    """One custom resource: identity plus its defaulted spec."""
+
+    name: str
+    namespace: str
+    uid: str
+    generation: int
+    spec: M3DeploymentSpec
+
+    @classmethod
+    def from_body(cls, body: Mapping[str, Any]) -> "M3Deployment":
+        meta = body["metadata"]
+        return cls(
+            name=meta["name"],
+            namespace=meta["namespace"],
+            uid=meta.get("uid", ""),
+            generation=int(meta.get("generation", 0)),
+            spec=M3DeploymentSpec.from_dict(body.get("spec", {})),
+        )
+
+
+def _model(raw: Mapping[str, Any]) -> Model:
+    pvc = raw.get("pvc")
+    return Model(
+        name=raw["name"],
+        path=raw["path"],
+        pvc_claim_name=pvc["claimName"] if pvc else None,
+        pvc_mount_path=pvc["mountPath"] if pvc else None,
+    )
+
+
+def _drain(raw: Mapping[str, Any]) -> Drain:
+    return Drain(pre_stop_seconds=raw["preStopSeconds"], shutdown_timeout_seconds=raw["shutdownTimeoutSeconds"])
+
+
+def _resources(raw: Mapping[str, Any]) -> Resources:
+    return Resources(requests=dict(raw.get("requests", {})), limits=dict(raw.get("limits", {})))
+
+
+def _scheduling(raw: Mapping[str, Any]) -> Scheduling:
+    return Scheduling(
+        node_selector=dict(raw.get("nodeSelector", {})),
+        tolerations=list(raw.get("tolerations", [])),
+        priority_class_name=raw.get("priorityClassName"),
+    )
+
+
+def _gateway(raw: Mapping[str, Any]) -> Gateway:
+    return Gateway(
+        replicas=raw["replicas"],
+        image=raw.get("image"),
+        pull_policy=raw["imagePullPolicy"],
+        port=raw["port"],
+        resources=_resources(raw["resources"]),
+        drain=_drain(raw["drain"]),
+        env=list(raw.get("env", [])),
+        extra_args=list(raw.get("extraArgs", [])),
+        scheduling=_scheduling(raw),
+    )
+
+
+def _engine(raw: Mapping[str, Any]) -> Engine:
+    accelerator = raw["accelerator"]
+    return Engine(
+        replicas=raw["replicas"],
+        image=raw.get("image"),
+        pull_policy=raw["imagePullPolicy"],
+        accelerator=Accelerator(
+            resource=accelerator["resource"], count=accelerator["count"], product=accelerator.get("product")
+        ),
+        tensor_parallel=raw["parallelism"]["tensor"],
+        resources=_resources(raw["resources"]),
+        cpu_offload_bytes=int(parse_quantity(raw["kvCache"]["cpuOffload"]["size"])),
+        grpc_port=raw["grpcPort"],
+        metrics_port=raw["metricsPort"],
+        startup_timeout_seconds=raw["startup"]["timeoutSeconds"],
+        drain=_drain(raw["drain"]),
+        shm_size=raw["shmSize"],
+        env=list(raw.get("env", [])),
+        extra_args=list(raw.get("extraArgs", [])),
+        scheduling=_scheduling(raw),
+    )
+
+
+def _engine_autoscaling(raw: Mapping[str, Any]) -> EngineAutoscaling:
+    return EngineAutoscaling(
+        mode=raw["mode"],
+        min_replicas=raw["minReplicas"],
+        max_replicas=raw["maxReplicas"],
+        target_concurrency=raw["targetConcurrency"],
+        target_utilization=float(raw["targetUtilization"]),
+        stable_window_seconds=raw["stableWindowSeconds"],
+        panic_window_seconds=raw["panicWindowSeconds"],
+        panic_threshold=float(raw["panicThreshold"]),
+        max_scale_up_rate=float(raw["maxScaleUpRate"]),
+        max_scale_down_rate=float(raw["maxScaleDownRate"]),
+        scale_down_delay_seconds=raw["scaleDownDelaySeconds"],
+    )
+
+
+def _gateway_autoscaling(raw: Mapping[str, Any]) -> GatewayAutoscaling:
+    return GatewayAutoscaling(
+        enabled=raw["enabled"],
+        min_replicas=raw["minReplicas"],
+        max_replicas=raw["maxReplicas"],
+        target_cpu_utilization_percentage=raw["targetCPUUtilizationPercentage"],
+    )
+
+
+def _exposure(raw: Mapping[str, Any]) -> Exposure:
+    ingress = raw.get("ingress")
+    return Exposure(
+        service_type=raw["service"]["type"],
+        ingress=None
+        if ingress is None
+        else Ingress(
+            host=ingress.get("host"),
+            class_name=ingress.get("className"),
+            path=ingress["path"],
+            annotations=dict(ingress.get("annotations", {})),
+            tls_secret_name=ingress["tls"]["secretName"] if "tls" in ingress else None,
+        ),
+    )
