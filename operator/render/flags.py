@@ -1,0 +1,71 @@
+"""What the engine and gateway processes are told: the one mapping from the spec to `m3stack` flags.
+
+Wiring (ports the probes and Services point at, the model path the volumes mount, the device the
+GPU request implies, the engine Service address) goes on the command line.  Tunables go into the
+ConfigMap as the ``M3STACK_<COMMAND>_<FLAG>`` variables every subcommand reads
+(``m3stack/options.py``), so a change there rolls the pods through the config hash.
+tests/operator/test_flags.py parses both with the real ``m3stack`` parser: a flag renamed in a
+component's cli.py fails that test, not a pod at startup.
+"""
+
+from m3stack.operator.render.names import engine_service_address
+from m3stack.operator.spec import M3Deployment
+from m3stack.options import env_name
+
+ENGINE_COMMAND = "engine"
+GATEWAY_COMMAND = "gateway"
+# Pods listen on every interface; only Services and probes reach them.
+LISTEN_ALL = "0.0.0.0"
+
+
+def engine_args(m3d: M3Deployment) -> list[str]:
+    engine = m3d.spec.engine
+    return [
+        ENGINE_COMMAND,
+        "--model",
+        m3d.spec.model.path,
+        "--device",
+        "cuda" if engine.accelerator.count > 0 else "cpu",
+        "--host",
+        LISTEN_ALL,
+        "--port",
+        str(engine.grpc_port),
+        "--metrics-port",
+        str(engine.metrics_port),
+        *engine.extra_args,
+    ]
+
+
+def gateway_args(m3d: M3Deployment) -> list[str]:
+    gateway = m3d.spec.gateway
+    return [
+        GATEWAY_COMMAND,
+        "--model",
+        m3d.spec.model.path,
+        "--host",
+        LISTEN_ALL,
+        "--port",
+        str(gateway.port),
+        "--engine-service",
+        f"{engine_service_address(m3d)}:{m3d.spec.engine.grpc_port}",
+        *gateway.extra_args,
+    ]
+
+
+def engine_settings(m3d: M3Deployment) -> dict[str, str]:
+    """Tunables of the engine, flag -> value."""
+    return {
+        "--served-model-name": m3d.spec.model.name,
+        # The engine's own drain deadline after SIGTERM; terminationGracePeriodSeconds leaves room for it.
+        "--drain-timeout": str(m3d.spec.engine.drain.shutdown_timeout_seconds),
+    }
+
+
+def gateway_settings(m3d: M3Deployment) -> dict[str, str]:
+    """Tunables of the gateway, flag -> value."""
+    return {"--served-model-name": m3d.spec.model.name}
+
+
+def environment(command: str, settings: dict[str, str]) -> dict[str, str]:
+    """``{"--drain-timeout": "300"}`` -> ``{"M3STACK_ENGINE_DRAIN_TIMEOUT": "300"}``."""
+    return {env_name(command, flag): value for flag, value in settings.items()}

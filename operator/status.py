@@ -1,0 +1,298 @@
+"""Status from what is observed: the children's Deployments and pods in, ``.status`` and transitions out.
+
+Pure: the caller passes the observed objects, the previous status and the time.  Conditions keep
+their lastTransitionTime while their status stays; a change of status (or of Degraded's reason) is
+a ``Transition`` the caller turns into an Event.
+"""
+
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from m3stack.operator.render.names import (
+    COMPONENT_LABEL,
+    ENGINE,
+    GATEWAY,
+    gateway_url,
+    selector_string,
+)
+from m3stack.operator.spec import M3Deployment
+
+# Condition types.
+READY = "Ready"
+GATEWAY_READY = "GatewayReady"
+ENGINES_READY = "EnginesReady"
+PROGRESSING = "Progressing"
+DEGRADED = "Degraded"
+AUTOSCALING_ACTIVE = "AutoscalingActive"
+
+# Reasons.
+ALL_REPLICAS_READY = "AllReplicasReady"
+ALL_COMPONENTS_READY = "AllComponentsReady"
+NOT_CREATED = "NotCreated"
+SUSPENDED = "Suspended"
+SCALED_TO_ZERO = "ScaledToZero"
+INSUFFICIENT_CAPACITY = "InsufficientCapacity"
+IMAGE_PULL_BACK_OFF = "ImagePullBackOff"
+CRASH_LOOP_BACK_OFF = "CrashLoopBackOff"
+CONFIG_ERROR = "CreateContainerConfigError"
+MODEL_LOADING = "ModelLoading"
+UPDATING = "Updating"
+REPLICAS_NOT_READY = "ReplicasNotReady"
+ROLLOUT_COMPLETE = "RolloutComplete"
+RECONCILE_FAILED = "ReconcileFailed"
+AS_EXPECTED = "AsExpected"
+AUTOSCALING_DISABLED = "Disabled"
+AUTOSCALER_NOT_REPORTING = "AutoscalerNotReporting"
+
+# Problems that waiting will not fix, most telling first: they make the resource Degraded.
+PERSISTENT_PROBLEMS = (INSUFFICIENT_CAPACITY, IMAGE_PULL_BACK_OFF, CRASH_LOOP_BACK_OFF, CONFIG_ERROR)
+_WAITING_REASONS = {
+    "ImagePullBackOff": IMAGE_PULL_BACK_OFF,
+    "ErrImagePull": IMAGE_PULL_BACK_OFF,
+    "InvalidImageName": IMAGE_PULL_BACK_OFF,
+    "CrashLoopBackOff": CRASH_LOOP_BACK_OFF,
+    "CreateContainerConfigError": CONFIG_ERROR,
+}
+# Conditions whose changes become Events (the others change with every rollout).
+EVENT_CONDITIONS = (READY, DEGRADED)
+
+
+@dataclass(frozen=True)
+class Observed:
+    """What the caller read from the cluster for one M3Deployment."""
+
+    deployments: Mapping[str, Mapping[str, Any]]  # component -> Deployment (absent: not created yet)
+    pods: Sequence[Mapping[str, Any]] = ()  # the resource's pods; may be empty when all are ready
+    reconcile_error: str | None = None  # why applying the children failed, if it did
+
+
+@dataclass(frozen=True)
+class ComponentHealth:
+    ready: bool
+    rolled_out: bool
+    reason: str
+    message: str
+    counts: dict[str, int]
+
+
+@dataclass(frozen=True)
+class Transition:
+    """A condition that changed: becomes an Event (Normal when healthy, Warning otherwise)."""
+
+    type: str
+    status: str
+    reason: str
+    message: str
+
+    @property
+    def healthy(self) -> bool:
+        return (self.status == "True") != (self.type == DEGRADED)
+
+
+def needs_pods(m3d: M3Deployment, deployments: Mapping[str, Mapping[str, Any]]) -> bool:
+    """Pods explain why a component is not ready; when every one is ready there is nothing to explain."""
+    return any(
+        not assess_component(component, deployments.get(component), (), suspended=m3d.spec.suspend).ready
+        for component in (ENGINE, GATEWAY)
+    )
+
+
+def assess_component(
+    component: str,
+    deployment: Mapping[str, Any] | None,
+    pods: Iterable[Mapping[str, Any]],
+    *,
+    suspended: bool,
+) -> ComponentHealth:
+    if deployment is None:
+        return ComponentHealth(False, False, NOT_CREATED, f"the {component} Deployment does not exist yet", {})
+    status = deployment.get("status", {})
+    desired = int(deployment.get("spec", {}).get("replicas", 1))
+    counts = {
+        "replicas": int(status.get("replicas", 0)),
+        "readyReplicas": int(status.get("readyReplicas", 0)),
+        "updatedReplicas": int(status.get("updatedReplicas", 0)),
+        "availableReplicas": int(status.get("availableReplicas", 0)),
+    }
+    rolled_out = (
+        int(status.get("observedGeneration", 0)) >= int(deployment.get("metadata", {}).get("generation", 0))
+        and counts["updatedReplicas"] >= desired
+        and counts["replicas"] <= desired
+    )
+    progress = f"{counts['readyReplicas']}/{desired} ready, {counts['updatedReplicas']} updated"
+    if suspended:
+        return ComponentHealth(False, rolled_out, SUSPENDED, "spec.suspend is true", counts)
+    if desired == 0:
+        return ComponentHealth(False, rolled_out, SCALED_TO_ZERO, f"the {component} has 0 replicas", counts)
+    if counts["readyReplicas"] >= desired:
+        return ComponentHealth(True, rolled_out, ALL_REPLICAS_READY, progress, counts)
+    component_pods = [
+        pod for pod in pods if pod.get("metadata", {}).get("labels", {}).get(COMPONENT_LABEL) == component
+    ]
+    problem = _worst_problem(component_pods, model_loads=component == ENGINE)
+    if problem is not None:
+        reason, detail = problem
+        return ComponentHealth(False, rolled_out, reason, f"{progress}: {detail}", counts)
+    return ComponentHealth(False, rolled_out, REPLICAS_NOT_READY if rolled_out else UPDATING, progress, counts)
+
+
+def _pod_problem(pod: Mapping[str, Any], *, model_loads: bool) -> tuple[str, str] | None:
+    name = pod.get("metadata", {}).get("name", "?")
+    status = pod.get("status", {})
+    for condition in status.get("conditions", []):
+        if condition.get("type") == "PodScheduled" and condition.get("reason") == "Unschedulable":
+            return INSUFFICIENT_CAPACITY, f"pod {name} cannot be scheduled: {condition.get('message', '')}".strip()
+    containers = [*status.get("initContainerStatuses", []), *status.get("containerStatuses", [])]
+    for container in containers:
+        waiting = container.get("state", {}).get("waiting") or {}
+        reason = _WAITING_REASONS.get(waiting.get("reason", ""))
+        if reason is not None:
+            return reason, f"pod {name}: {waiting.get('reason')}: {waiting.get('message', '')}".rstrip(": ")
+    loading = any("running" in c.get("state", {}) and not c.get("started", False) for c in containers)
+    if model_loads and status.get("phase") == "Running" and loading:
+        return MODEL_LOADING, f"pod {name} is loading the model"
+    return None
+
+
+def _worst_problem(pods: Iterable[Mapping[str, Any]], *, model_loads: bool) -> tuple[str, str] | None:
+    ranking = [*PERSISTENT_PROBLEMS, MODEL_LOADING]
+    problems = [
+        problem
+        for pod in pods
+        if not pod.get("metadata", {}).get("deletionTimestamp")
+        and (problem := _pod_problem(pod, model_loads=model_loads)) is not None
+    ]
+    return min(problems, key=lambda problem: ranking.index(problem[0]), default=None)
+
+
+def _condition(type_: str, ok: bool, reason: str, message: str) -> dict[str, str]:
+    return {"type": type_, "status": "True" if ok else "False", "reason": reason, "message": message}
+
+
+def _autoscaling_condition(m3d: M3Deployment, previous: Mapping[str, Mapping[str, Any]]) -> dict[str, Any]:
+    """Disabled unless a mode is set; then the autoscaler owns the condition and only a placeholder
+    is written until it reports."""
+    mode = m3d.spec.engine_autoscaling.mode
+    if mode == "None":
+        return _condition(AUTOSCALING_ACTIVE, False, AUTOSCALING_DISABLED, "autoscaling.engine.mode is None")
+    if AUTOSCALING_ACTIVE in previous and previous[AUTOSCALING_ACTIVE].get("reason") != AUTOSCALING_DISABLED:
+        return dict(previous[AUTOSCALING_ACTIVE])
+    return _condition(
+        AUTOSCALING_ACTIVE,
+        False,
+        AUTOSCALER_NOT_REPORTING,
+        f"autoscaling.engine.mode is {mode}: no autoscaler has reported; engines stay at spec.engine.replicas",
+    )
+
+
+def _component_status(m3d: M3Deployment, component: str, health: ComponentHealth) -> dict[str, Any]:
+    return {**{key: health.counts.get(key, 0) for key in _COUNT_KEYS}, "selector": selector_string(m3d, component)}
+
+
+_COUNT_KEYS = ("replicas", "readyReplicas", "updatedReplicas", "availableReplicas")
+
+
+def compute_status(
+    m3d: M3Deployment,
+    observed: Observed,
+    previous: Mapping[str, Any],
+    *,
+    observed_generation: int,
+    now: str,
+) -> tuple[dict[str, Any], list[Transition]]:
+    """The new ``.status`` (only the keys this module owns) and the condition transitions since ``previous``."""
+    suspended = m3d.spec.suspend
+    engines = assess_component(ENGINE, observed.deployments.get(ENGINE), observed.pods, suspended=suspended)
+    gateways = assess_component(GATEWAY, observed.deployments.get(GATEWAY), observed.pods, suspended=suspended)
+    ready = engines.ready and gateways.ready
+    if ready:
+        ready_condition = _condition(READY, True, ALL_COMPONENTS_READY, "engines and gateways are ready")
+    else:
+        blocking = engines if not engines.ready else gateways
+        which = "engines" if blocking is engines else "gateways"
+        ready_condition = _condition(READY, False, blocking.reason, f"{which}: {blocking.message}")
+    rolled_out = engines.rolled_out and gateways.rolled_out and observed_generation >= m3d.generation
+    progressing = _condition(
+        PROGRESSING,
+        not rolled_out,
+        UPDATING if not rolled_out else ROLLOUT_COMPLETE,
+        f"engines: {engines.message}; gateways: {gateways.message}",
+    )
+    degraded = _degraded(observed.reconcile_error, engines, gateways)
+    previous_conditions = {c["type"]: c for c in previous.get("conditions", []) if "type" in c}
+    fresh = [
+        ready_condition,
+        _condition(ENGINES_READY, engines.ready, engines.reason, engines.message),
+        _condition(GATEWAY_READY, gateways.ready, gateways.reason, gateways.message),
+        progressing,
+        degraded,
+        _autoscaling_condition(m3d, previous_conditions),
+    ]
+    conditions, transitions = _stamp(fresh, previous_conditions, observed_generation, now)
+    status = {
+        "observedGeneration": observed_generation,
+        "phase": _phase(suspended, ready, degraded["status"] == "True", engines, gateways),
+        "url": gateway_url(m3d),
+        "conditions": conditions,
+        "engine": _component_status(m3d, ENGINE, engines),
+        "gateway": _component_status(m3d, GATEWAY, gateways),
+    }
+    return status, transitions
+
+
+def _degraded(reconcile_error: str | None, *components: ComponentHealth) -> dict[str, str]:
+    if reconcile_error:
+        return _condition(DEGRADED, True, RECONCILE_FAILED, reconcile_error)
+    for reason in PERSISTENT_PROBLEMS:
+        for health in components:
+            if health.reason == reason:
+                return _condition(DEGRADED, True, reason, health.message)
+    return _condition(DEGRADED, False, AS_EXPECTED, "no persistent problem seen")
+
+
+def _phase(suspended: bool, ready: bool, degraded: bool, *components: ComponentHealth) -> str:
+    if suspended:
+        return "Suspended"
+    if degraded:
+        return "Degraded"
+    if ready:
+        return "Ready"
+    # Pods exist (starting, loading the model, rolling): on the way; none at all: not started yet.
+    return "Progressing" if any(health.counts.get("replicas", 0) for health in components) else "Pending"
+
+
+def _stamp(
+    fresh: list[dict[str, Any]],
+    previous: Mapping[str, Mapping[str, Any]],
+    observed_generation: int,
+    now: str,
+) -> tuple[list[dict[str, Any]], list[Transition]]:
+    """Adds lastTransitionTime (kept while the status holds) and observedGeneration; lists what changed."""
+    conditions, transitions = [], []
+    for condition in fresh:
+        before = previous.get(condition["type"])
+        changed = before is None or before.get("status") != condition["status"]
+        if condition["type"] == DEGRADED and before is not None and condition["status"] == "True":
+            changed = changed or before.get("reason") != condition["reason"]
+        stamped = {
+            **condition,
+            "lastTransitionTime": now
+            if before is None or before.get("status") != condition["status"]
+            else before.get("lastTransitionTime", now),
+            "observedGeneration": observed_generation,
+        }
+        conditions.append(stamped)
+        if changed and condition["type"] in EVENT_CONDITIONS and (before is not None or condition["status"] == "True"):
+            transitions.append(
+                Transition(condition["type"], condition["status"], condition["reason"], condition["message"])
+            )
+    # Conditions of other writers (none today) are kept as they are.
+    written = {condition["type"] for condition in fresh}
+    kept = [dict(condition) for type_, condition in previous.items() if type_ not in written]
+    return conditions + kept, transitions
+
+
+def status_changed(new: Mapping[str, Any], current: Mapping[str, Any]) -> bool:
+    """Whether patching ``new`` over ``current`` would change anything."""
+    return any(current.get(key) != value for key, value in new.items())

@@ -1,0 +1,241 @@
+"""Pure rendering: an M3Deployment in, its children out."""
+
+import copy
+import math
+
+from m3stack.operator.quantity import parse_quantity
+from m3stack.operator.render import ALL_CHILD_KINDS, kind_of, render_children
+from m3stack.operator.render.names import CONFIG_HASH_ANNOTATION, MANAGED_BY_LABEL, OPERATOR_NAME
+
+
+def _by_kind(children):
+    return {(child["kind"], child["metadata"]["name"]): child for child in children}
+
+
+def _container(deployment):
+    (container,) = deployment["spec"]["template"]["spec"]["containers"]
+    return container
+
+
+def test_minimal_resource_renders_the_core_children(make_m3d, images):
+    children = render_children(make_m3d(), images)
+    assert sorted(_by_kind(children)) == [
+        ("ConfigMap", "demo-config"),
+        ("Deployment", "demo-engine"),
+        ("Deployment", "demo-gateway"),
+        ("PodDisruptionBudget", "demo-engine"),
+        ("PodDisruptionBudget", "demo-gateway"),
+        ("Service", "demo-engine"),
+        ("Service", "demo-gateway"),
+    ]
+    assert children[0]["kind"] == "ConfigMap", "configuration is applied before the pods that read it"
+    for child in children:
+        assert child["metadata"]["namespace"] == "models"
+        assert child["metadata"]["labels"][MANAGED_BY_LABEL] == OPERATOR_NAME
+        assert kind_of(child) in ALL_CHILD_KINDS
+
+
+def test_rendering_is_pure(make_m3d, images):
+    m3d = make_m3d({"engine": {"kvCache": {"cpuOffload": {"size": "8Gi"}}}})
+    first = render_children(m3d, images)
+    pristine = copy.deepcopy(first)
+    first[3]["spec"]["template"]["spec"]["containers"][0]["env"].append({"name": "X"})
+    first[0]["data"]["poison"] = "1"
+    assert render_children(m3d, images) == pristine
+
+
+def test_selectors_select_the_pods_they_belong_to(make_m3d, images):
+    children = _by_kind(render_children(make_m3d({"autoscaling": {"gateway": {"enabled": True}}}), images))
+    for component in ("engine", "gateway"):
+        pod_labels = children[("Deployment", f"demo-{component}")]["spec"]["template"]["metadata"]["labels"]
+        selectors = [
+            children[("Deployment", f"demo-{component}")]["spec"]["selector"]["matchLabels"],
+            children[("Service", f"demo-{component}")]["spec"]["selector"],
+            children[("PodDisruptionBudget", f"demo-{component}")]["spec"]["selector"]["matchLabels"],
+        ]
+        for selector in selectors:
+            assert selector and selector.items() <= pod_labels.items()
+        other = "gateway" if component == "engine" else "engine"
+        other_labels = children[("Deployment", f"demo-{other}")]["spec"]["template"]["metadata"]["labels"]
+        assert not selectors[0].items() <= other_labels.items()
+
+
+def test_engine_pod_gets_gpus_memory_for_offload_probes_and_drain(make_m3d, images):
+    m3d = make_m3d(
+        {
+            "engine": {
+                "accelerator": {"count": 8, "product": "NVIDIA-B200"},
+                "resources": {"requests": {"cpu": "16", "memory": "96Gi"}, "limits": {"memory": "100Gi"}},
+                "kvCache": {"cpuOffload": {"size": "512Gi"}},
+                "startup": {"timeoutSeconds": 905},
+                "drain": {"preStopSeconds": 20, "shutdownTimeoutSeconds": 120},
+                "shmSize": "32Gi",
+            }
+        }
+    )
+    deployment = _by_kind(render_children(m3d, images))[("Deployment", "demo-engine")]
+    pod = deployment["spec"]["template"]["spec"]
+    container = _container(deployment)
+    resources = container["resources"]
+    assert resources["limits"]["nvidia.com/gpu"] == 8
+    assert parse_quantity(resources["requests"]["memory"]) == parse_quantity("96Gi") + parse_quantity("512Gi")
+    assert parse_quantity(resources["limits"]["memory"]) == parse_quantity("100Gi") + parse_quantity("512Gi")
+    assert resources["requests"]["cpu"] == "16"
+    assert pod["nodeSelector"] == {"nvidia.com/gpu.product": "NVIDIA-B200"}
+    assert {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"} in pod["tolerations"]
+    startup = container["startupProbe"]
+    assert startup["httpGet"]["path"] == "/loaded"
+    assert startup["periodSeconds"] * startup["failureThreshold"] >= 905
+    assert startup["failureThreshold"] == math.ceil(905 / startup["periodSeconds"])
+    assert container["readinessProbe"]["httpGet"]["path"] == "/health"
+    assert container["livenessProbe"]["grpc"]["port"] == 50051
+    assert container["lifecycle"]["preStop"]["sleep"]["seconds"] == 20
+    assert pod["terminationGracePeriodSeconds"] >= 20 + 120
+    shm = next(volume for volume in pod["volumes"] if volume["name"] == "dshm")
+    assert shm["emptyDir"] == {"medium": "Memory", "sizeLimit": "32Gi"}
+    assert {"name": "dshm", "mountPath": "/dev/shm"} in container["volumeMounts"]
+    assert deployment["spec"]["strategy"]["rollingUpdate"] == {"maxSurge": 0, "maxUnavailable": 1}
+    assert deployment["spec"]["progressDeadlineSeconds"] > 905
+
+
+def test_cpu_engine_requests_no_device_and_offload_alone_sets_the_memory_request(make_m3d, images):
+    m3d = make_m3d(
+        {
+            "engine": {
+                "accelerator": {"count": 0},
+                "resources": {"requests": {"cpu": "2"}},
+                "kvCache": {"cpuOffload": {"size": "3Gi"}},
+            }
+        }
+    )
+    deployment = _by_kind(render_children(m3d, images))[("Deployment", "demo-engine")]
+    container = _container(deployment)
+    assert container["resources"] == {"requests": {"cpu": "2", "memory": "3Gi"}}
+    assert "tolerations" not in deployment["spec"]["template"]["spec"]
+    assert container["args"][container["args"].index("--device") + 1] == "cpu"
+
+
+def test_replicas_follow_the_spec_and_suspend_scales_everything_to_zero(make_m3d, images):
+    spec = {"engine": {"replicas": 3}, "gateway": {"replicas": 4}, "autoscaling": {"gateway": {"enabled": True}}}
+    running = _by_kind(render_children(make_m3d(spec), images))
+    assert running[("Deployment", "demo-engine")]["spec"]["replicas"] == 3
+    assert "replicas" not in running[("Deployment", "demo-gateway")]["spec"], "the HPA owns the gateway's replicas"
+    hpa = running[("HorizontalPodAutoscaler", "demo-gateway")]
+    assert hpa["spec"]["scaleTargetRef"]["name"] == "demo-gateway"
+    assert (hpa["spec"]["minReplicas"], hpa["spec"]["maxReplicas"]) == (2, 16)
+
+    suspended = _by_kind(render_children(make_m3d({**spec, "suspend": True}), images))
+    assert suspended[("Deployment", "demo-engine")]["spec"]["replicas"] == 0
+    assert suspended[("Deployment", "demo-gateway")]["spec"]["replicas"] == 0
+    assert ("HorizontalPodAutoscaler", "demo-gateway") not in suspended, "an HPA would scale it back up"
+
+    manual = _by_kind(render_children(make_m3d({"gateway": {"replicas": 4}}), images))
+    assert manual[("Deployment", "demo-gateway")]["spec"]["replicas"] == 4
+
+
+def test_engine_service_is_headless_and_the_gateway_is_told_its_address(make_m3d, images):
+    children = _by_kind(render_children(make_m3d({"engine": {"grpcPort": 6000}}, namespace="prod"), images))
+    service = children[("Service", "demo-engine")]
+    assert service["spec"]["clusterIP"] == "None"
+    assert {port["port"] for port in service["spec"]["ports"]} == {6000, 9400}
+    args = _container(children[("Deployment", "demo-gateway")])["args"]
+    assert args[args.index("--engine-service") + 1] == "demo-engine.prod.svc:6000"
+
+
+def test_checkpoint_claim_is_mounted_read_only_in_both_tiers(make_m3d, images):
+    m3d = make_m3d({"model": {"path": "/weights/m3", "pvc": {"claimName": "m3-weights", "mountPath": "/weights"}}})
+    children = _by_kind(render_children(m3d, images))
+    for component in ("engine", "gateway"):
+        deployment = children[("Deployment", f"demo-{component}")]
+        volumes = deployment["spec"]["template"]["spec"]["volumes"]
+        assert {"name": "model", "persistentVolumeClaim": {"claimName": "m3-weights", "readOnly": True}} in volumes
+        container = _container(deployment)
+        assert {"name": "model", "mountPath": "/weights", "readOnly": True} in container["volumeMounts"]
+        assert container["args"][container["args"].index("--model") + 1] == "/weights/m3"
+
+
+def test_ingress_routes_to_the_gateway_service(make_m3d, images):
+    m3d = make_m3d(
+        {
+            "exposure": {
+                "ingress": {
+                    "host": "m3.example.com",
+                    "className": "nginx",
+                    "tls": {"secretName": "m3-tls"},
+                    "annotations": {"nginx.ingress.kubernetes.io/proxy-buffering": "off"},
+                }
+            }
+        }
+    )
+    ingress = _by_kind(render_children(m3d, images))[("Ingress", "demo")]
+    (rule,) = ingress["spec"]["rules"]
+    assert rule["host"] == "m3.example.com"
+    assert rule["http"]["paths"][0]["backend"]["service"] == {"name": "demo-gateway", "port": {"name": "http"}}
+    assert ingress["spec"]["tls"] == [{"hosts": ["m3.example.com"], "secretName": "m3-tls"}]
+    assert ingress["spec"]["ingressClassName"] == "nginx"
+    assert ingress["metadata"]["annotations"] == {"nginx.ingress.kubernetes.io/proxy-buffering": "off"}
+
+
+def _hashes(m3d, images):
+    children = _by_kind(render_children(m3d, images))
+    return tuple(
+        children[("Deployment", f"demo-{component}")]["spec"]["template"]["metadata"]["annotations"][
+            CONFIG_HASH_ANNOTATION
+        ]
+        for component in ("engine", "gateway")
+    )
+
+
+def test_a_setting_change_rolls_only_the_pods_that_read_it(make_m3d, images):
+    engine_hash, gateway_hash = _hashes(make_m3d(), images)
+    new_engine_hash, same_gateway_hash = _hashes(
+        make_m3d({"engine": {"drain": {"shutdownTimeoutSeconds": 77}}}), images
+    )
+    assert new_engine_hash != engine_hash
+    assert same_gateway_hash == gateway_hash
+    assert all(
+        new != old
+        for new, old in zip(
+            _hashes(make_m3d({"model": {"name": "other"}}), images), (engine_hash, gateway_hash), strict=True
+        )
+    )
+
+
+def test_user_environment_and_extra_args_come_last_and_win(make_m3d, images):
+    m3d = make_m3d(
+        {
+            "engine": {
+                "env": [
+                    {"name": "HOME", "value": "/data"},
+                    {"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {"name": "hf", "key": "t"}}},
+                ],
+                "extraArgs": ["--max-num-seqs", "64"],
+            }
+        }
+    )
+    container = _container(_by_kind(render_children(m3d, images))[("Deployment", "demo-engine")])
+    names = [variable["name"] for variable in container["env"]]
+    assert names == ["HOME", "HF_TOKEN"]
+    assert container["env"][0]["value"] == "/data"
+    assert container["args"][-2:] == ["--max-num-seqs", "64"]
+    assert container["envFrom"] == [{"configMapRef": {"name": "demo-config"}}]
+
+
+def test_pods_run_locked_down(make_m3d, images):
+    for child in render_children(make_m3d(), images):
+        if child["kind"] != "Deployment":
+            continue
+        pod = child["spec"]["template"]["spec"]
+        assert pod["securityContext"]["runAsNonRoot"] is True
+        assert pod["automountServiceAccountToken"] is False
+        container = _container(child)
+        assert container["securityContext"]["allowPrivilegeEscalation"] is False
+        assert container["securityContext"]["capabilities"] == {"drop": ["ALL"]}
+        assert container["image"] in (images.engine, images.gateway)
+
+
+def test_images_named_in_the_spec_win(make_m3d, images):
+    m3d = make_m3d({"engine": {"image": "mine/engine:2"}, "gateway": {"image": "mine/gateway:2"}})
+    children = _by_kind(render_children(m3d, images))
+    assert _container(children[("Deployment", "demo-engine")])["image"] == "mine/engine:2"
+    assert _container(children[("Deployment", "demo-gateway")])["image"] == "mine/gateway:2"

@@ -1,0 +1,263 @@
+"""Status aggregation: observed Deployments and pods in, conditions, counts, phase and transitions out."""
+
+from typing import Any
+
+import pytest
+
+from m3stack.operator.status import Observed, compute_status, needs_pods, status_changed
+
+T0, T1 = "2026-11-30T10:00:00Z", "2026-11-30T10:05:00Z"
+
+
+def deployment(
+    component: str,
+    desired: int,
+    ready: int = 0,
+    *,
+    updated: int | None = None,
+    replicas: int | None = None,
+    generation: int = 2,
+    observed: int = 2,
+) -> dict[str, Any]:
+    return {
+        "metadata": {
+            "name": f"demo-{component}",
+            "generation": generation,
+            "labels": {"m3stack.io/component": component},
+        },
+        "spec": {"replicas": desired},
+        "status": {
+            "observedGeneration": observed,
+            "replicas": desired if replicas is None else replicas,
+            "readyReplicas": ready,
+            "availableReplicas": ready,
+            "updatedReplicas": desired if updated is None else updated,
+        },
+    }
+
+
+def pod(
+    component: str, name: str, *, conditions=(), waiting: str | None = None, running_unstarted=False, deleting=False
+) -> dict[str, Any]:
+    state: dict[str, Any] = {"waiting": {"reason": waiting, "message": "back-off pulling"}} if waiting else {}
+    if running_unstarted:
+        state = {"running": {"startedAt": T0}}
+    metadata: dict[str, Any] = {"name": name, "labels": {"m3stack.io/component": component}}
+    if deleting:
+        metadata["deletionTimestamp"] = T0
+    return {
+        "metadata": metadata,
+        "status": {
+            "phase": "Running" if running_unstarted else "Pending",
+            "conditions": list(conditions),
+            "containerStatuses": [{"name": component, "state": state, "started": False, "ready": False}]
+            if state
+            else [],
+        },
+    }
+
+
+UNSCHEDULABLE = {
+    "type": "PodScheduled",
+    "status": "False",
+    "reason": "Unschedulable",
+    "message": "0/5 nodes are available: 5 Insufficient nvidia.com/gpu.",
+}
+
+
+def conditions(status: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    return {condition["type"]: condition for condition in status["conditions"]}
+
+
+def compute(m3d, deployments, pods=(), previous=None, *, error=None, now=T0, generation=3):
+    return compute_status(
+        m3d,
+        Observed(
+            deployments={d["metadata"]["labels"]["m3stack.io/component"]: d for d in deployments},
+            pods=pods,
+            reconcile_error=error,
+        ),
+        previous or {},
+        observed_generation=generation,
+        now=now,
+    )
+
+
+def test_everything_ready(make_m3d):
+    m3d = make_m3d({"engine": {"replicas": 3}})
+    status, transitions = compute(m3d, [deployment("engine", 3, 3), deployment("gateway", 2, 2)])
+    found = conditions(status)
+    assert found["Ready"]["status"] == "True"
+    assert found["EnginesReady"]["reason"] == "AllReplicasReady"
+    assert found["Progressing"]["status"] == "False"
+    assert found["Degraded"]["status"] == "False"
+    assert found["AutoscalingActive"]["reason"] == "Disabled"
+    assert status["phase"] == "Ready"
+    assert status["observedGeneration"] == 3
+    assert status["engine"] == {
+        "replicas": 3,
+        "readyReplicas": 3,
+        "updatedReplicas": 3,
+        "availableReplicas": 3,
+        "selector": "m3stack.io/component=engine,m3stack.io/deployment=demo",
+    }
+    assert status["gateway"]["readyReplicas"] == 2
+    assert status["url"] == "http://demo-gateway.models.svc:8000/v1"
+    assert [(t.type, t.status, t.healthy) for t in transitions] == [("Ready", "True", True)]
+
+
+def test_unschedulable_engines_are_insufficient_capacity_and_degrade(make_m3d):
+    m3d = make_m3d()
+    pods = [pod("engine", "demo-engine-a", conditions=[UNSCHEDULABLE]), pod("gateway", "demo-gateway-a")]
+    status, transitions = compute(m3d, [deployment("engine", 1, 0), deployment("gateway", 2, 2)], pods)
+    found = conditions(status)
+    assert found["Ready"]["status"] == "False"
+    assert found["Ready"]["reason"] == "InsufficientCapacity"
+    assert "Insufficient nvidia.com/gpu" in found["Ready"]["message"]
+    assert found["EnginesReady"]["reason"] == "InsufficientCapacity"
+    assert found["GatewayReady"]["status"] == "True"
+    assert (found["Degraded"]["status"], found["Degraded"]["reason"]) == ("True", "InsufficientCapacity")
+    assert status["phase"] == "Degraded"
+    assert [(t.type, t.reason, t.healthy) for t in transitions] == [("Degraded", "InsufficientCapacity", False)]
+
+
+@pytest.mark.parametrize(
+    ("engine_pod", "reason", "degraded"),
+    [
+        (pod("engine", "e", waiting="ImagePullBackOff"), "ImagePullBackOff", True),
+        (pod("engine", "e", waiting="ErrImagePull"), "ImagePullBackOff", True),
+        (pod("engine", "e", waiting="CrashLoopBackOff"), "CrashLoopBackOff", True),
+        (pod("engine", "e", waiting="CreateContainerConfigError"), "CreateContainerConfigError", True),
+        (pod("engine", "e", running_unstarted=True), "ModelLoading", False),
+        (pod("engine", "e", waiting="ContainerCreating"), "ReplicasNotReady", False),
+        (pod("engine", "e", conditions=[UNSCHEDULABLE], deleting=True), "ReplicasNotReady", False),
+    ],
+)
+def test_why_engines_are_not_ready(make_m3d, engine_pod, reason, degraded):
+    status, _ = compute(make_m3d(), [deployment("engine", 1, 0), deployment("gateway", 2, 2)], [engine_pod])
+    found = conditions(status)
+    assert found["EnginesReady"]["reason"] == reason
+    assert found["Ready"]["reason"] == reason
+    assert (found["Degraded"]["status"] == "True") is degraded
+
+
+def test_the_worst_problem_among_pods_wins(make_m3d):
+    pods = [
+        pod("engine", "loading", running_unstarted=True),
+        pod("engine", "pulling", waiting="ImagePullBackOff"),
+        pod("engine", "pending", conditions=[UNSCHEDULABLE]),
+    ]
+    status, _ = compute(
+        make_m3d({"engine": {"replicas": 3}}), [deployment("engine", 3, 0), deployment("gateway", 2, 2)], pods
+    )
+    assert conditions(status)["EnginesReady"]["reason"] == "InsufficientCapacity"
+
+
+def test_gateway_problems_only_show_when_engines_are_fine(make_m3d):
+    pods = [pod("gateway", "g", waiting="ImagePullBackOff"), pod("engine", "e", running_unstarted=True)]
+    status, _ = compute(make_m3d(), [deployment("engine", 1, 1), deployment("gateway", 2, 1)], pods)
+    found = conditions(status)
+    assert found["Ready"]["reason"] == "ImagePullBackOff"
+    assert found["Ready"]["message"].startswith("gateways:")
+    assert found["EnginesReady"]["status"] == "True", "a ready engine's pod list is not searched for problems"
+
+
+def test_a_rollout_in_progress_is_progressing(make_m3d):
+    status, _ = compute(
+        make_m3d({"engine": {"replicas": 2}}),
+        [deployment("engine", 2, 2, updated=1, replicas=3, generation=5, observed=5), deployment("gateway", 2, 2)],
+    )
+    found = conditions(status)
+    assert (found["Progressing"]["status"], found["Progressing"]["reason"]) == ("True", "Updating")
+    assert found["Ready"]["status"] == "True", "old pods still serve while new ones come up"
+    assert status["phase"] == "Ready"
+
+
+def test_a_deployment_that_has_not_seen_its_new_spec_is_not_rolled_out(make_m3d):
+    status, _ = compute(make_m3d(), [deployment("engine", 1, 0, generation=6, observed=5), deployment("gateway", 2, 2)])
+    found = conditions(status)
+    assert found["Progressing"]["status"] == "True"
+    assert found["EnginesReady"]["reason"] == "Updating"
+    assert status["phase"] == "Progressing"
+
+
+def test_children_not_created_yet(make_m3d):
+    status, transitions = compute(make_m3d(), [])
+    found = conditions(status)
+    assert found["Ready"]["reason"] == "NotCreated"
+    assert status["phase"] == "Pending"
+    assert status["engine"]["replicas"] == 0
+    assert transitions == []
+
+
+def test_suspended(make_m3d):
+    status, _ = compute(make_m3d({"suspend": True}), [deployment("engine", 0), deployment("gateway", 0)])
+    found = conditions(status)
+    assert (found["Ready"]["status"], found["Ready"]["reason"]) == ("False", "Suspended")
+    assert status["phase"] == "Suspended"
+
+
+def test_engines_scaled_to_zero_are_not_ready(make_m3d):
+    status, _ = compute(make_m3d({"engine": {"replicas": 0}}), [deployment("engine", 0), deployment("gateway", 2, 2)])
+    assert conditions(status)["EnginesReady"]["reason"] == "ScaledToZero"
+
+
+def test_a_failed_apply_degrades(make_m3d):
+    status, transitions = compute(
+        make_m3d(),
+        [deployment("engine", 1, 1), deployment("gateway", 2, 2)],
+        error="403 Forbidden: no create on ingresses",
+    )
+    found = conditions(status)
+    assert (found["Degraded"]["reason"], found["Degraded"]["message"]) == (
+        "ReconcileFailed",
+        "403 Forbidden: no create on ingresses",
+    )
+    assert status["phase"] == "Degraded"
+    assert ("Degraded", False) in [(t.type, t.healthy) for t in transitions]
+
+
+def test_transition_times_move_only_when_a_status_flips(make_m3d):
+    m3d = make_m3d()
+    first, _ = compute(m3d, [deployment("engine", 1, 0), deployment("gateway", 2, 2)], now=T0)
+    same, transitions = compute(m3d, [deployment("engine", 1, 0), deployment("gateway", 2, 2)], previous=first, now=T1)
+    assert same == first
+    assert transitions == []
+    assert not status_changed(same, first)
+    ready, transitions = compute(m3d, [deployment("engine", 1, 1), deployment("gateway", 2, 2)], previous=first, now=T1)
+    assert status_changed(ready, first)
+    found, before = conditions(ready), conditions(first)
+    assert found["Ready"]["lastTransitionTime"] == T1
+    assert found["GatewayReady"]["lastTransitionTime"] == before["GatewayReady"]["lastTransitionTime"] == T0
+    assert [(t.type, t.status) for t in transitions] == [("Ready", "True")]
+    _, transitions = compute(m3d, [deployment("engine", 1, 0), deployment("gateway", 2, 2)], previous=ready, now=T1)
+    assert [(t.type, t.status, t.healthy) for t in transitions] == [("Ready", "False", False)]
+
+
+def test_the_autoscalers_condition_is_kept_and_other_writers_conditions_survive(make_m3d):
+    reported = {
+        "type": "AutoscalingActive",
+        "status": "True",
+        "reason": "Scaling",
+        "message": "3 engines",
+        "lastTransitionTime": T0,
+    }
+    foreign = {"type": "RoutesReady", "status": "True", "reason": "Ok", "message": "", "lastTransitionTime": T0}
+    previous = {"conditions": [reported, foreign]}
+    builtin = make_m3d({"autoscaling": {"engine": {"mode": "Builtin"}}})
+    status, _ = compute(builtin, [deployment("engine", 1, 1), deployment("gateway", 2, 2)], previous=previous)
+    found = conditions(status)
+    assert found["AutoscalingActive"]["reason"] == "Scaling"
+    assert found["RoutesReady"]["reason"] == "Ok"
+    fresh, _ = compute(builtin, [deployment("engine", 1, 1), deployment("gateway", 2, 2)])
+    assert conditions(fresh)["AutoscalingActive"]["reason"] == "AutoscalerNotReporting"
+    disabled, _ = compute(make_m3d(), [deployment("engine", 1, 1), deployment("gateway", 2, 2)], previous=previous)
+    assert conditions(disabled)["AutoscalingActive"]["reason"] == "Disabled"
+
+
+def test_pods_are_read_only_when_something_is_not_ready(make_m3d):
+    m3d = make_m3d()
+    ready = {"engine": deployment("engine", 1, 1), "gateway": deployment("gateway", 2, 2)}
+    assert not needs_pods(m3d, ready)
+    assert needs_pods(m3d, {**ready, "gateway": deployment("gateway", 2, 1)})
+    assert needs_pods(m3d, {"engine": deployment("engine", 1, 1)})
