@@ -40,6 +40,8 @@ CRD_NAME = f"{PLURAL}.{GROUP}"
 # Children are named "<name>-gateway" etc.; a Service name is a DNS-1035 label of at most 63 characters.
 MAX_NAME_LENGTH = 50
 DNS_1035_PATTERN = r"^[a-z]([-a-z0-9]*[a-z0-9])?$"
+# spec.gateway.routing.policy -> the gateway's --routing choice.
+ROUTING_POLICIES = {"PrefixAware": "prefix-aware", "LeastInflight": "least-inflight"}
 ABSOLUTE_PATH_RULE = rule("self.startsWith('/')", "must be an absolute path")
 # Extended resource names such as nvidia.com/gpu or amd.com/gpu.
 EXTENDED_RESOURCE_PATTERN = r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?/[a-zA-Z0-9]([-a-zA-Z0-9_.]*[a-zA-Z0-9])?$"
@@ -190,6 +192,27 @@ GATEWAY_SCHEMA = obj(
         "image": _image("gateway"),
         "imagePullPolicy": _pull_policy(),
         "port": _port("HTTP port of the API.", 8000),
+        "routing": obj(
+            "How requests are spread over engines.",
+            {
+                "policy": string(
+                    "PrefixAware: prefer the engine holding the longest cached prefix, traded against its load; "
+                    "LeastInflight: the engine with the fewest requests in flight.",
+                    default="PrefixAware",
+                    enum=list(ROUTING_POLICIES),
+                )
+            },
+            default={},
+        ),
+        "apiKeySecret": obj(
+            "Require `Authorization: Bearer <key>`: the accepted keys, one per line, in a Secret (re-read when "
+            "it changes).",
+            {
+                "name": string("Secret name.", min_length=1, pattern=DNS_SUBDOMAIN_PATTERN),
+                "key": string("Key of the Secret holding the keys.", default="keys", min_length=1, max_length=253),
+            },
+            required=["name"],
+        ),
         "resources": _resources("Gateway container resources.", {"cpu": "2", "memory": "4Gi"}, {"memory": "8Gi"}),
         "drain": _drain(pre_stop_seconds=10, shutdown_timeout_seconds=60),
         "env": _env(),

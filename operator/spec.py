@@ -48,11 +48,19 @@ class Model:
 
 
 @dataclass(frozen=True)
+class SecretKey:
+    name: str
+    key: str
+
+
+@dataclass(frozen=True)
 class Gateway:
     replicas: int
     image: str | None
     pull_policy: str
     port: int
+    routing_policy: str
+    api_key_secret: SecretKey | None
     resources: Resources
     drain: Drain
     env: list[dict[str, Any]]
@@ -203,6 +211,8 @@ def _gateway(raw: Mapping[str, Any]) -> Gateway:
         image=raw.get("image"),
         pull_policy=raw["imagePullPolicy"],
         port=raw["port"],
+        routing_policy=raw["routing"]["policy"],
+        api_key_secret=SecretKey(**raw["apiKeySecret"]) if "apiKeySecret" in raw else None,
         resources=_resources(raw["resources"]),
         drain=_drain(raw["drain"]),
         env=list(raw.get("env", [])),

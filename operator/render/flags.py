@@ -8,6 +8,7 @@ tests/operator/test_flags.py parses both with the real ``m3stack`` parser: a fla
 component's cli.py fails that test, not a pod at startup.
 """
 
+from m3stack.operator.crd import ROUTING_POLICIES
 from m3stack.operator.render.names import engine_service_address
 from m3stack.operator.spec import M3Deployment
 from m3stack.options import env_name
@@ -16,6 +17,8 @@ ENGINE_COMMAND = "engine"
 GATEWAY_COMMAND = "gateway"
 # Pods listen on every interface; only Services and probes reach them.
 LISTEN_ALL = "0.0.0.0"
+# Where the gateway finds the API keys Secret (spec.gateway.apiKeySecret), mounted read-only.
+API_KEYS_DIR = "/etc/m3stack/api-keys"
 
 
 def engine_args(m3d: M3Deployment) -> list[str]:
@@ -48,6 +51,7 @@ def gateway_args(m3d: M3Deployment) -> list[str]:
         str(gateway.port),
         "--engine-service",
         f"{engine_service_address(m3d)}:{m3d.spec.engine.grpc_port}",
+        *(["--api-key-file", f"{API_KEYS_DIR}/{gateway.api_key_secret.key}"] if gateway.api_key_secret else []),
         *gateway.extra_args,
     ]
 
@@ -63,7 +67,12 @@ def engine_settings(m3d: M3Deployment) -> dict[str, str]:
 
 def gateway_settings(m3d: M3Deployment) -> dict[str, str]:
     """Tunables of the gateway, flag -> value."""
-    return {"--served-model-name": m3d.spec.model.name}
+    gateway = m3d.spec.gateway
+    return {
+        "--served-model-name": m3d.spec.model.name,
+        "--routing": ROUTING_POLICIES[gateway.routing_policy],
+        "--drain-timeout": str(gateway.drain.shutdown_timeout_seconds),
+    }
 
 
 def environment(command: str, settings: dict[str, str]) -> dict[str, str]:

@@ -3,11 +3,12 @@
 from typing import Any
 
 from m3stack.operator.render import pods
-from m3stack.operator.render.flags import gateway_args
+from m3stack.operator.render.flags import API_KEYS_DIR, gateway_args
 from m3stack.operator.render.names import GATEWAY, child_metadata, child_name, selector_labels
 from m3stack.operator.spec import M3Deployment
 
 HTTP_PORT_NAME = "http"
+API_KEYS_VOLUME = "api-keys"
 
 
 def gateway_replicas_owned_by_hpa(m3d: M3Deployment) -> bool:
@@ -53,6 +54,9 @@ def _container(m3d: M3Deployment, image: str, mounts: list[dict[str, Any]]) -> d
 def gateway_deployment(m3d: M3Deployment, image: str, config_hash: str) -> dict[str, Any]:
     gateway = m3d.spec.gateway
     volumes, mounts = pods.model_volumes(m3d)
+    if gateway.api_key_secret is not None:
+        volumes.append({"name": API_KEYS_VOLUME, "secret": {"secretName": gateway.api_key_secret.name}})
+        mounts.append({"name": API_KEYS_VOLUME, "mountPath": API_KEYS_DIR, "readOnly": True})
     return pods.deployment(
         m3d,
         GATEWAY,
