@@ -1,0 +1,179 @@
+"""One idempotent reconcile: render the children, adopt them, apply them server-side, prune what is no
+longer wanted, then write the status from what is observed.
+
+Every path into the operator (create/update/resume of an M3Deployment, a deleted child, the drift
+loop) ends in ``Reconciler.reconcile``; child and pod changes only refresh the status.  Work on one
+M3Deployment is serialized by a per-object lock, and bursts of status refreshes are coalesced.
+"""
+
+import logging
+import threading
+from collections.abc import Callable, Hashable, Mapping
+from datetime import UTC, datetime
+from typing import Any
+
+import kopf
+
+from m3stack.operator.apply import M3DEPLOYMENT, POD, ApiError, Cluster
+from m3stack.operator.render import ALL_CHILD_KINDS, DEPLOYMENT, Images, kind_of, render_children
+from m3stack.operator.render.names import COMPONENT_LABEL, DEPLOYMENT_LABEL
+from m3stack.operator.spec import M3Deployment
+from m3stack.operator.status import DEGRADED, RECONCILE_FAILED, Observed, compute_status, needs_pods, status_changed
+
+logger = logging.getLogger(__name__)
+
+Key = tuple[str, str]  # (namespace, name)
+
+
+def utc_now() -> str:
+    return datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def controlled_by(obj: Mapping[str, Any], uid: str) -> bool:
+    return any(
+        ref.get("controller") and ref.get("uid") == uid for ref in obj.get("metadata", {}).get("ownerReferences", [])
+    )
+
+
+def _last_reconcile_error(status: Mapping[str, Any]) -> str | None:
+    """A status refresh does not apply anything, so it keeps the last reconcile's verdict."""
+    for condition in status.get("conditions", []):
+        if condition.get("type") == DEGRADED and condition.get("reason") == RECONCILE_FAILED:
+            return str(condition.get("message", "reconcile failed"))
+    return None
+
+
+class KeyedCoalescer:
+    """Runs ``fn`` for a key; calls arriving while it runs for that key fold into one more run."""
+
+    def __init__(self) -> None:
+        self._guard = threading.Lock()
+        self._pending: dict[Hashable, bool] = {}  # key -> another run requested
+
+    def run(self, key: Hashable, fn: Callable[[], None]) -> None:
+        with self._guard:
+            if key in self._pending:
+                self._pending[key] = True
+                return
+            self._pending[key] = False
+        try:
+            while True:
+                fn()
+                with self._guard:
+                    if not self._pending[key]:
+                        return
+                    self._pending[key] = False
+        finally:
+            with self._guard:
+                self._pending.pop(key, None)
+
+
+class Reconciler:
+    def __init__(self, cluster: Cluster, images: Images, clock: Callable[[], str] = utc_now) -> None:
+        self.cluster = cluster
+        self.images = images
+        self.clock = clock
+        self._locks: dict[Key, threading.Lock] = {}
+        self._locks_guard = threading.Lock()
+        self._status_refreshes = KeyedCoalescer()
+
+    def _lock(self, key: Key) -> threading.Lock:
+        with self._locks_guard:
+            return self._locks.setdefault(key, threading.Lock())
+
+    def forget(self, namespace: str, name: str) -> None:
+        """Drops per-object state once the M3Deployment is gone."""
+        with self._locks_guard:
+            self._locks.pop((namespace, name), None)
+
+    # --------------------------------------------------------------------------------------------
+
+    def reconcile(self, body: Mapping[str, Any]) -> None:
+        """Makes the children match ``body``'s spec; raises ApiError (recorded in status) if it cannot."""
+        meta = body["metadata"]
+        with self._lock((meta["namespace"], meta["name"])):
+            if meta.get("deletionTimestamp"):
+                return  # the garbage collector is removing the children; do not bring them back
+            m3d = M3Deployment.from_body(body)
+            children = render_children(m3d, self.images)
+            # Ownership only: names and namespaces are rendered, and the resource's own labels are not
+            # copied into pod templates (editing them would roll every pod).
+            kopf.append_owner_reference(children, owner=dict(body))
+            try:
+                for child in children:
+                    self.cluster.apply(child)
+                self._prune(m3d, children)
+            except ApiError as error:
+                logger.warning("reconciling %s/%s failed: %s", m3d.namespace, m3d.name, error)
+                previous_generation = int(body.get("status", {}).get("observedGeneration", 0))
+                self._write_status(body, m3d, observed_generation=previous_generation, reconcile_error=str(error))
+                raise
+            self._write_status(body, m3d, observed_generation=m3d.generation, reconcile_error=None)
+
+    def reconcile_by_key(self, namespace: str, name: str) -> None:
+        """Reconciles the current version of a resource (after a child was deleted, or from the drift loop)."""
+        body = self.cluster.get(M3DEPLOYMENT, namespace, name)
+        if body is not None:
+            self.reconcile(body)
+
+    def refresh_status(self, namespace: str, name: str) -> None:
+        """Rewrites the status from the observed children, coalescing bursts of child events."""
+        self._status_refreshes.run((namespace, name), lambda: self._refresh_status(namespace, name))
+
+    def _refresh_status(self, namespace: str, name: str) -> None:
+        with self._lock((namespace, name)):
+            body = self.cluster.get(M3DEPLOYMENT, namespace, name)
+            if body is None or body["metadata"].get("deletionTimestamp"):
+                return
+            status = body.get("status", {})
+            self._write_status(
+                body,
+                M3Deployment.from_body(body),
+                observed_generation=int(status.get("observedGeneration", 0)),
+                reconcile_error=_last_reconcile_error(status),
+            )
+
+    # --------------------------------------------------------------------------------------------
+
+    def _prune(self, m3d: M3Deployment, children: list[dict[str, Any]]) -> None:
+        """Deletes children of kinds no longer rendered (an HPA after autoscaling is turned off, an
+        Ingress after exposure.ingress is removed).  Rendered kinds keep their fixed names, so only
+        the absent kinds can hold leftovers."""
+        rendered = {kind_of(child) for child in children}
+        for kind in ALL_CHILD_KINDS:
+            if kind in rendered:
+                continue
+            for stale in self.cluster.list(kind, m3d.namespace, f"{DEPLOYMENT_LABEL}={m3d.name}"):
+                if controlled_by(stale, m3d.uid):
+                    meta = stale["metadata"]
+                    logger.info("deleting %s %s/%s: no longer wanted", kind.kind, m3d.namespace, meta["name"])
+                    self.cluster.delete(kind, m3d.namespace, meta["name"], meta["uid"])
+
+    def _observe(self, m3d: M3Deployment, reconcile_error: str | None) -> Observed:
+        selector = f"{DEPLOYMENT_LABEL}={m3d.name}"
+        deployments = {
+            deployment["metadata"]["labels"][COMPONENT_LABEL]: deployment
+            for deployment in self.cluster.list(DEPLOYMENT, m3d.namespace, selector)
+            if controlled_by(deployment, m3d.uid) and COMPONENT_LABEL in deployment["metadata"].get("labels", {})
+        }
+        pods = self.cluster.list(POD, m3d.namespace, selector) if needs_pods(m3d, deployments) else []
+        return Observed(deployments=deployments, pods=pods, reconcile_error=reconcile_error)
+
+    def _write_status(
+        self, body: Mapping[str, Any], m3d: M3Deployment, *, observed_generation: int, reconcile_error: str | None
+    ) -> None:
+        now = self.clock()
+        previous = body.get("status", {})
+        status, transitions = compute_status(
+            m3d, self._observe(m3d, reconcile_error), previous, observed_generation=observed_generation, now=now
+        )
+        if status_changed(status, previous):
+            self.cluster.patch_status(m3d.namespace, m3d.name, status)
+        for transition in transitions:
+            self.cluster.post_event(
+                body,
+                "Normal" if transition.healthy else "Warning",
+                transition.reason,
+                f"{transition.type} is {transition.status}: {transition.message}",
+                now,
+            )
