@@ -1,0 +1,72 @@
+{{/* Full name of the release's objects: the release name, plus the chart name unless it is in it. */}}
+{{- define "m3stack.fullname" -}}
+{{- if contains .Chart.Name .Release.Name -}}
+{{- .Release.Name | trunc 63 | trimSuffix "-" -}}
+{{- else -}}
+{{- printf "%s-%s" .Release.Name .Chart.Name | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+{{- end -}}
+
+{{- define "m3stack.selectorLabels" -}}
+app.kubernetes.io/name: {{ .Chart.Name }}-operator
+app.kubernetes.io/instance: {{ .Release.Name }}
+{{- end -}}
+
+{{- define "m3stack.labels" -}}
+{{ include "m3stack.selectorLabels" . }}
+app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
+app.kubernetes.io/component: operator
+app.kubernetes.io/part-of: m3stack
+helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" }}
+{{- end -}}
+
+{{- define "m3stack.serviceAccountName" -}}
+{{- if .Values.serviceAccount.create -}}
+{{- default (include "m3stack.fullname" .) .Values.serviceAccount.name -}}
+{{- else -}}
+{{- required "serviceAccount.name is required when serviceAccount.create is false" .Values.serviceAccount.name -}}
+{{- end -}}
+{{- end -}}
+
+{{- define "m3stack.componentImage" -}}
+{{- $image := index .root.Values.defaultImages .component -}}
+{{- default (printf "ghcr.io/m3stack/%s:%s" .component .root.Chart.AppVersion) $image -}}
+{{- end -}}
+
+{{/* Rules on the namespaced resources the operator serves and creates (see operator/apply.py REQUIRED_RULES). */}}
+{{- define "m3stack.namespacedRules" -}}
+- apiGroups: [m3stack.io]
+  resources: [m3deployments]
+  verbs: [get, list, patch, watch]
+- apiGroups: [m3stack.io]
+  resources: [m3deployments/status]
+  verbs: [get, patch]
+- apiGroups: [""]
+  resources: [configmaps, services]
+  verbs: [create, delete, get, list, patch, watch]
+- apiGroups: [apps]
+  resources: [deployments]
+  verbs: [create, delete, get, list, patch, watch]
+- apiGroups: [autoscaling]
+  resources: [horizontalpodautoscalers]
+  verbs: [create, delete, get, list, patch, watch]
+- apiGroups: [networking.k8s.io]
+  resources: [ingresses]
+  verbs: [create, delete, get, list, patch, watch]
+- apiGroups: [policy]
+  resources: [poddisruptionbudgets]
+  verbs: [create, delete, get, list, patch, watch]
+- apiGroups: [""]
+  resources: [pods]
+  verbs: [list, watch]
+- apiGroups: [""]
+  resources: [events]
+  verbs: [create]
+{{- end -}}
+
+{{/* kopf learns whether the CRD is installed by watching CRDs: the one cluster-wide need. */}}
+{{- define "m3stack.clusterRules" -}}
+- apiGroups: [apiextensions.k8s.io]
+  resources: [customresourcedefinitions]
+  verbs: [list, watch]
+{{- end -}}
