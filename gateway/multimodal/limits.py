@@ -1,0 +1,130 @@
+"""Every media limit in one place, with the ``m3stack gateway`` flags that set them.
+
+All of them are checked before the expensive step they protect: bytes while downloading, pixels and
+frame counts from headers and the demuxed index, tokens from the plans, before any pixel is decoded.
+The pixel caps are MiniMax-M3's serving caps (3584x3584 per image, 301,056,000 per video), which
+refuse rather than downscale.
+"""
+
+import argparse
+from dataclasses import dataclass, field
+
+from m3stack import options
+from m3stack.options import OptionGroup
+
+from .errors import MediaError
+
+M3_MAX_IMAGE_PIXELS = 3584 * 3584
+M3_MAX_VIDEO_PIXELS = 301_056_000
+
+
+@dataclass(frozen=True)
+class MediaLimits:
+    # Per request
+    max_images: int = 16
+    max_videos: int = 2
+    # Fetching
+    max_image_bytes: int = 32 * 2**20
+    max_video_bytes: int = 256 * 2**20
+    fetch_timeout_s: float = 20.0  # whole download, connect included
+    connect_timeout_s: float = 5.0
+    max_redirects: int = 3
+    allowed_domains: tuple[str, ...] = ()  # empty: any public host
+    allow_private_networks: bool = False  # loopback, RFC 1918, link-local... (tests, local demos)
+    local_media_dir: str | None = None  # file:// and bare paths are refused unless under this folder
+    # Images
+    max_image_pixels: int = M3_MAX_IMAGE_PIXELS  # decoded width * height
+    # Videos
+    max_video_frame_pixels: int = 4096 * 2304  # one decoded frame
+    max_video_frames: int = 108_000  # frames in the container (1 h at 30 fps)
+    max_decoded_frames: int = 20_000  # frames the sparse decode may walk through
+    max_sampled_frames: int = 768  # M3's max_frames
+    max_video_pixels: int = M3_MAX_VIDEO_PIXELS  # sampled frames * width * height
+    # Processing
+    job_timeout_s: float = 60.0  # one item's decode + preprocess in a worker
+    decode_threads: int = 1  # per video job; 1 under load, more for lone-request latency
+    image_formats: tuple[str, ...] = field(default=("JPEG", "PNG", "WEBP", "GIF", "BMP"))
+
+    def check_counts(self, images: int, videos: int) -> None:
+        if images > self.max_images:
+            raise MediaError(
+                f"{images} images exceed the limit of {self.max_images} per request", "too_many_media_items"
+            )
+        if videos > self.max_videos:
+            raise MediaError(
+                f"{videos} videos exceed the limit of {self.max_videos} per request", "too_many_media_items"
+            )
+
+    def check_image_pixels(self, width: int, height: int) -> None:
+        if width * height > self.max_image_pixels:
+            raise MediaError(
+                f"a {width}x{height} image exceeds the limit of {self.max_image_pixels} pixels", "media_too_large"
+            )
+
+    def check_video_plan(self, sampled: int, width: int, height: int, decoded: int) -> None:
+        if sampled > self.max_sampled_frames:
+            raise MediaError(
+                f"sampling would take {sampled} frames, over the limit of {self.max_sampled_frames}", "media_too_large"
+            )
+        if sampled * width * height > self.max_video_pixels:
+            raise MediaError(
+                f"{sampled} sampled frames of {width}x{height} exceed the limit of {self.max_video_pixels} pixels",
+                "media_too_large",
+            )
+        if decoded > self.max_decoded_frames:
+            raise MediaError(
+                f"decoding the sampled frames walks {decoded} frames, over the limit of {self.max_decoded_frames}",
+                "media_too_large",
+            )
+
+
+def check_vision_tokens(total: int, budget: int | None) -> None:
+    """``budget``: what the context leaves for vision tokens (None: unchecked here)."""
+    if budget is not None and total > budget:
+        raise MediaError(
+            f"the media need {total} vision tokens but the context leaves room for {budget}",
+            "context_length_exceeded",
+        )
+
+
+_FLAGS: dict[str, tuple[str, object, str]] = {
+    "max_images": ("--mm-max-images", options.non_negative_int, "images allowed per request"),
+    "max_videos": ("--mm-max-videos", options.non_negative_int, "videos allowed per request"),
+    "max_image_bytes": ("--mm-max-image-bytes", options.positive_int, "largest image download or data: URL"),
+    "max_video_bytes": ("--mm-max-video-bytes", options.positive_int, "largest video download or data: URL"),
+    "fetch_timeout_s": ("--mm-fetch-timeout", options.positive_float, "seconds for one media download"),
+    "connect_timeout_s": ("--mm-connect-timeout", options.positive_float, "seconds to connect to a media host"),
+    "max_redirects": ("--mm-max-redirects", options.non_negative_int, "redirects followed per media URL"),
+    "allowed_domains": ("--mm-allowed-domains", None, "comma-separated media hosts (and their subdomains); empty: any"),
+    "local_media_dir": ("--mm-local-media-dir", str, "folder that file:// media URLs may read from (off when unset)"),
+    "max_image_pixels": ("--mm-max-image-pixels", options.positive_int, "largest decoded image, width*height"),
+    "max_video_frame_pixels": ("--mm-max-video-frame-pixels", options.positive_int, "largest video frame"),
+    "max_video_frames": ("--mm-max-video-frames", options.positive_int, "most frames a video may contain"),
+    "max_decoded_frames": ("--mm-max-decoded-frames", options.positive_int, "most frames decoded per video"),
+    "max_sampled_frames": ("--mm-max-sampled-frames", options.positive_int, "most frames sampled per video"),
+    "max_video_pixels": ("--mm-max-video-pixels", options.positive_int, "sampled frames * width * height"),
+    "job_timeout_s": ("--mm-job-timeout", options.positive_float, "seconds to decode and preprocess one item"),
+    "decode_threads": ("--mm-decode-threads", options.positive_int, "decoder threads per video job"),
+}
+
+
+def _domain_list(text: str) -> tuple[str, ...]:
+    return tuple(part.strip().lower().rstrip(".") for part in text.split(",") if part.strip())
+
+
+def add_arguments(opts: OptionGroup) -> None:
+    """Register the media flags (and their ``M3STACK_GATEWAY_MM_*`` variables) on the gateway's parser."""
+    defaults = MediaLimits()
+    for name, (flag, kind, help_text) in _FLAGS.items():
+        default = getattr(defaults, name)
+        if name == "allowed_domains":
+            opts.add(flag, type=_domain_list, default=default, help=help_text)
+        else:
+            opts.add(flag, type=kind, default=default, help=help_text)  # type: ignore[arg-type]
+    opts.flag("--mm-allow-private-networks", help="allow media URLs that resolve to loopback or private addresses")
+
+
+def from_args(args: argparse.Namespace) -> MediaLimits:
+    values = {name: getattr(args, flag.lstrip("-").replace("-", "_")) for name, (flag, _, _) in _FLAGS.items()}
+    values["allow_private_networks"] = args.mm_allow_private_networks
+    return MediaLimits(**values)

@@ -1,0 +1,94 @@
+"""The pixel side shared by patch-grid vision towers (Qwen2-VL family, MiniMax-M3): constants in, plans and
+patches out.  A model supplies a :class:`PatchGridConstants` and a frame sampler; nothing else differs."""
+
+import hashlib
+import json
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+
+import numpy as np
+
+from .errors import MediaError
+from .patchify import normalization_table, normalize_patches, patchify_into
+from .resize import ResizeBackend, resize_frames, smart_resize
+from .spec import ImagePlan, PixelPreprocessor, Plan, VideoPlan, VideoProbe
+
+# (probe, constants) -> ascending indices into probe.frame_pts
+FrameSampler = Callable[[VideoProbe, "PatchGridConstants"], list[int]]
+
+
+@dataclass(frozen=True)
+class PatchGridConstants:
+    patch_size: int
+    temporal_patch_size: int
+    merge_size: int
+    image_min_pixels: int
+    image_max_pixels: int
+    video_min_pixels: int
+    video_max_pixels: int
+    image_mean: tuple[float, float, float]
+    image_std: tuple[float, float, float]
+    rescale_factor: float
+    fps: float  # frames sampled per second of video
+    min_frames: int
+    max_frames: int
+    # Temporal patches per vision-attention segment of a video; None keeps one segment.
+    vision_segment_max_frames: int | None
+
+    @property
+    def factor(self) -> int:
+        return self.patch_size * self.merge_size
+
+    @property
+    def patch_dim(self) -> int:
+        return 3 * self.temporal_patch_size * self.patch_size * self.patch_size
+
+
+class PatchGridPreprocessor(PixelPreprocessor):
+    def __init__(
+        self, constants: PatchGridConstants, sampler: FrameSampler, resize_backend: ResizeBackend = ResizeBackend.AUTO
+    ) -> None:
+        self.constants = constants
+        self.sampler = sampler
+        self.resize_backend = resize_backend
+        self._table = normalization_table(constants.image_mean, constants.image_std, constants.rescale_factor)
+
+    def fingerprint(self) -> str:
+        settings = {**asdict(self.constants), "sampler": self.sampler.__qualname__}
+        return hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:16]
+
+    def plan_image(self, height: int, width: int) -> ImagePlan:
+        c = self.constants
+        resized_h, resized_w = smart_resize(height, width, c.factor, c.image_min_pixels, c.image_max_pixels)
+        grid = (1, resized_h // c.patch_size, resized_w // c.patch_size)
+        return ImagePlan(height, width, resized_h, resized_w, (grid,), c.patch_dim)
+
+    def plan_video(self, probe: VideoProbe) -> VideoPlan:
+        c = self.constants
+        if probe.frame_count == 0:
+            raise MediaError("the video has no frames")
+        indices = self.sampler(probe, c)
+        height, width = probe.display_size
+        resized_h, resized_w = smart_resize(height, width, c.factor, c.video_min_pixels, c.video_max_pixels)
+        grid_t = -(-len(indices) // c.temporal_patch_size)
+        grid_h, grid_w = resized_h // c.patch_size, resized_w // c.patch_size
+        segment = grid_t if c.vision_segment_max_frames is None else c.vision_segment_max_frames
+        grids = tuple((min(segment, grid_t - start), grid_h, grid_w) for start in range(0, grid_t, segment))
+        return VideoPlan(tuple(indices), height, width, resized_h, resized_w, grids, c.patch_dim, probe.fps)
+
+    def run_image(self, rgb: np.ndarray, plan: ImagePlan, out: np.ndarray) -> None:
+        resized = resize_frames(rgb[None], plan.height, plan.width, self.resize_backend)
+        self._patchify(resized, out)
+
+    def run_video(self, frames: np.ndarray, plan: VideoPlan, out: np.ndarray) -> None:
+        self._patchify(resize_frames(frames, plan.height, plan.width, self.resize_backend), out)
+
+    def tokens_for(self, plan: Plan) -> int:
+        return plan.num_patches // self.constants.merge_size**2
+
+    def normalize(self, patches: np.ndarray) -> np.ndarray:
+        return normalize_patches(patches, self._table)
+
+    def _patchify(self, frames: np.ndarray, out: np.ndarray) -> None:
+        c = self.constants
+        patchify_into(frames, out, c.patch_size, c.merge_size, c.temporal_patch_size)

@@ -1,0 +1,264 @@
+"""The media pipeline the chat route calls: fetch -> probe and plan -> limits -> decode and preprocess
+(in the worker pool, into shared memory) -> items for the engine, with an LRU of processed items.
+
+Usage from the API (one pipeline per server)::
+
+    pipeline = MediaPipeline(load_profile(model_type, checkpoint), limits)
+    await pipeline.start()
+    items = await pipeline.process_media(parts, vision_token_budget=context_left)
+    text = pipeline.expand_prompt(templated_text, items)       # before tokenizing, as the reference does
+    ids = tokenizer.encode(text)
+    spans = pipeline.placeholder_spans(ids, tokenizer, items)  # per item, into MultimodalItem.placeholders
+    protos = [item.to_proto(pipeline.transport, s) for item, s in zip(items, spans)]
+"""
+
+import asyncio
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Literal
+
+import numpy as np
+
+from m3stack.engine.proto import engine_pb2
+
+from . import image as image_codec
+from . import video as video_codec
+from .cache import CachedItem, ProcessedCache, content_key
+from .errors import MediaError
+from .fetch import MediaFetcher
+from .limits import MediaLimits, check_vision_tokens
+from .patchify import float32_to_bfloat16_bits
+from .pool import WorkerPool
+from .spec import ImagePlan, ModelProfile, PixelPreprocessor, PlaceholderSpan, Plan, Tokenizer, VideoPlan, VideoProbe
+from .transport import (
+    Transport,
+    WireDType,
+    create_segment,
+    map_segment,
+    new_segment_name,
+    read_segment,
+    tensor_proto,
+    unlink_segment,
+    write_segment,
+)
+
+logger = logging.getLogger(__name__)
+
+Modality = Literal["image", "video"]
+
+
+@dataclass(frozen=True)
+class MediaPart:
+    """One ``image_url`` / ``video_url`` content part, in prompt order."""
+
+    modality: Modality
+    url: str
+    param: str | None = None  # e.g. "messages[0].content[1]", for error messages
+
+
+@dataclass(frozen=True)
+class ProcessedItem:
+    modality: Modality
+    plan: Plan
+    num_tokens: int
+    content_hash: str
+    shape: tuple[int, ...]  # [num_patches, patch_dim]
+    dtype: WireDType
+    payload: bytes  # C order (layout: patchify.py)
+
+    def to_proto(self, transport: Transport, placeholders: Sequence[PlaceholderSpan] = ()) -> engine_pb2.MultimodalItem:
+        modality = engine_pb2.MODALITY_IMAGE if self.modality == "image" else engine_pb2.MODALITY_VIDEO
+        return engine_pb2.MultimodalItem(
+            modality=modality,
+            pixel_values=tensor_proto(self.payload, self.shape, transport),
+            grid_thw=[value for grid in self.plan.grids for value in grid],
+            placeholders=[engine_pb2.PlaceholderRange(offset=s.offset, length=s.length) for s in placeholders],
+            content_hash=self.content_hash,
+        )
+
+    def patches(self) -> np.ndarray:
+        """uint8 pixels, or bfloat16 bit patterns as uint16."""
+        return np.frombuffer(self.payload, dtype=self.dtype.numpy).reshape(self.shape)
+
+
+@dataclass
+class _Pending:
+    part: MediaPart
+    data: bytes
+    key: str
+    input_segment: str | None = None
+    plan: Plan | None = None
+    probe: VideoProbe | None = None
+    item: ProcessedItem | None = None
+
+
+class MediaPipeline:
+    def __init__(
+        self,
+        profile: ModelProfile,
+        limits: MediaLimits,
+        *,
+        transport: Transport | None = None,
+        cache_bytes: int = 512 * 2**20,
+        workers: int | None = None,
+        fetcher: MediaFetcher | None = None,
+    ) -> None:
+        self.profile = profile
+        self.limits = limits
+        self.transport = transport or Transport()
+        self.cache = ProcessedCache(cache_bytes)
+        self.pool = WorkerPool(workers, warmup=warm_worker)
+        self.fetcher = fetcher or MediaFetcher(limits)
+        self._settings = f"{profile.model_type}/{profile.preprocessor.fingerprint()}/{self.transport.dtype}"
+
+    async def start(self) -> None:
+        await self.pool.start()
+
+    async def close(self) -> None:
+        await self.pool.close()
+        await self.fetcher.close()
+
+    async def process_media(
+        self, parts: Sequence[MediaPart], vision_token_budget: int | None = None
+    ) -> list[ProcessedItem]:
+        """Every part fetched, checked and preprocessed, in order; the first bad part raises :class:`MediaError`."""
+        self.limits.check_counts(sum(p.modality == "image" for p in parts), sum(p.modality == "video" for p in parts))
+        pending: list[_Pending] = []
+        try:
+            fetched = await _all([self._fetch(part) for part in parts])
+            pending = [_Pending(part, data, content_key(data, part.modality, self._settings)) for part, data in fetched]
+            await _all([self._plan(p) for p in pending])
+            check_vision_tokens(
+                sum(self.profile.preprocessor.tokens_for(p.plan) for p in pending if p.plan), vision_token_budget
+            )
+            await _all([self._process(p) for p in pending if p.item is None])
+        finally:
+            for p in pending:
+                if p.input_segment is not None:
+                    unlink_segment(p.input_segment)
+        return [p.item for p in pending if p.item is not None]
+
+    def expand_prompt(self, text: str, items: Sequence[ProcessedItem]) -> str:
+        prompt = self.profile.prompt
+        images = [(i.plan, i.num_tokens) for i in items if isinstance(i.plan, ImagePlan)]
+        videos = [(i.plan, i.num_tokens) for i in items if isinstance(i.plan, VideoPlan)]
+        return prompt.expand_text(text, images, videos)
+
+    def placeholder_spans(
+        self, token_ids: Sequence[int], tokenizer: Tokenizer, items: Sequence[ProcessedItem]
+    ) -> list[list[PlaceholderSpan]]:
+        """Spans per item; ``items`` are in prompt order (the order of the content parts)."""
+        return self.profile.prompt.placeholder_spans(
+            token_ids, tokenizer, [i.modality for i in items], [i.num_tokens for i in items]
+        )
+
+    async def _fetch(self, part: MediaPart) -> tuple[MediaPart, bytes]:
+        cap = self.limits.max_image_bytes if part.modality == "image" else self.limits.max_video_bytes
+        try:
+            return part, await self.fetcher.fetch(part.url, cap)
+        except MediaError as exc:
+            exc.at(part.param)
+            raise
+
+    async def _plan(self, p: _Pending) -> None:
+        cached = self.cache.get(p.key)
+        if cached is not None:
+            p.plan = cached.plan
+            p.item = self._item(p, cached.plan, cached.shape, cached.payload)
+            return
+        p.input_segment = new_segment_name()
+        await asyncio.to_thread(write_segment, p.input_segment, p.data)
+        job = probe_image_job if p.part.modality == "image" else probe_video_job
+        try:
+            p.plan, p.probe = await self.pool.run(
+                job, p.input_segment, self.profile.preprocessor, self.limits, timeout_s=self.limits.job_timeout_s
+            )
+        except MediaError as exc:
+            exc.at(p.part.param)
+            raise
+
+    async def _process(self, p: _Pending) -> None:
+        assert p.plan is not None and p.input_segment is not None
+        shape = (p.plan.num_patches, p.plan.patch_dim)
+        output = new_segment_name()
+        try:
+            await self.pool.run(
+                process_job, p.input_segment, self.profile.preprocessor, p.plan, p.probe, output, shape,
+                self.transport.dtype, self.limits, timeout_s=self.limits.job_timeout_s,
+            )  # fmt: skip
+            payload = await asyncio.to_thread(read_segment, output)
+        except MediaError as exc:
+            exc.at(p.part.param)
+            raise
+        finally:
+            unlink_segment(output)
+        self.cache.put(p.key, CachedItem(p.plan, shape, payload))
+        p.item = self._item(p, p.plan, shape, payload)
+
+    def _item(self, p: _Pending, plan: Plan, shape: tuple[int, ...], payload: bytes) -> ProcessedItem:
+        tokens = self.profile.preprocessor.tokens_for(plan)
+        return ProcessedItem(p.part.modality, plan, tokens, p.key, shape, self.transport.dtype, payload)
+
+
+async def _all(coroutines: list) -> list:
+    """Run concurrently; on the first failure cancel the rest and raise that failure itself."""
+    try:
+        async with asyncio.TaskGroup() as group:
+            tasks = [group.create_task(c) for c in coroutines]
+    except* MediaError as errors:
+        raise errors.exceptions[0] from None
+    return [t.result() for t in tasks]
+
+
+# ---------------------------------------------------------------------------------------------
+# Jobs: run inside pool workers (module-level so they pickle by reference).
+
+
+def warm_worker() -> None:
+    """Import the heavy modules once per worker, not on its first job."""
+    from .resize import ResizeBackend, resolve_backend
+
+    resolve_backend(ResizeBackend.AUTO)
+
+
+def probe_image_job(segment: str, preprocessor: PixelPreprocessor, limits: MediaLimits) -> tuple[ImagePlan, None]:
+    header = image_codec.probe_image(read_segment(segment), limits.image_formats)
+    limits.check_image_pixels(header.width, header.height)
+    return preprocessor.plan_image(header.height, header.width), None
+
+
+def probe_video_job(segment: str, preprocessor: PixelPreprocessor, limits: MediaLimits) -> tuple[VideoPlan, VideoProbe]:
+    probe = video_codec.probe_video(read_segment(segment), limits.max_video_frame_pixels, limits.max_video_frames)
+    plan = preprocessor.plan_video(probe)
+    walk = video_codec.frames_to_decode(probe, video_codec.plan_decode(probe, plan.frame_indices))
+    limits.check_video_plan(len(plan.frame_indices), plan.source_width, plan.source_height, walk)
+    return plan, probe
+
+
+def process_job(
+    segment: str,
+    preprocessor: PixelPreprocessor,
+    plan: Plan,
+    probe: VideoProbe | None,
+    output: str,
+    shape: tuple[int, int],
+    dtype: WireDType,
+    limits: MediaLimits,
+) -> None:
+    """Decode and preprocess one item into the new segment ``output``, sized from the plan."""
+    data = read_segment(segment)
+    create_segment(output, int(np.prod(shape)) * dtype.numpy.itemsize)
+    target = map_segment(output, dtype.numpy, shape)
+    patches = target if dtype is WireDType.UINT8 else np.empty(shape, dtype=np.uint8)
+    if isinstance(plan, ImagePlan):
+        rgb = image_codec.decode_image(data, limits.image_formats)
+        if rgb.shape[:2] != (plan.source_height, plan.source_width):
+            raise MediaError("the image's decoded size differs from its header")
+        preprocessor.run_image(rgb, plan, patches)
+    else:
+        assert probe is not None
+        frames = video_codec.decode_frames(data, probe, plan.frame_indices, limits.decode_threads)
+        preprocessor.run_video(frames, plan, patches)
+    if dtype is WireDType.BFLOAT16:
+        target[...] = float32_to_bfloat16_bits(preprocessor.normalize(patches))

@@ -1,0 +1,206 @@
+"""Video probing and sparse decoding with PyAV.
+
+``probe_video`` demuxes the stream once without decoding (every packet's presentation timestamp and
+keyframe flag) and decodes the first frame only to validate the stream and read its rotation.
+Frame i is the i-th frame in presentation order, which is what the reference's decode loop counts,
+so sampling by index stays exact under a variable frame rate.
+
+``decode_frames`` then decodes only what the sampled frames need: it seeks to the keyframe before a
+target when that skips frames, tells the decoder to drop non-reference frames that are not targets
+(they cannot influence any other frame), and stops after the last target.  The sampled frames are
+converted with the same ``to_ndarray(format="rgb24")`` call the reference uses, then rotated upright.
+"""
+
+import bisect
+import io
+import logging
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from fractions import Fraction
+
+import av
+import numpy as np
+
+from .errors import MediaError
+from .spec import VideoProbe
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class DecodeSegment:
+    """Seek to the keyframe at ``seek_pts``, then decode through the frames at ``target_pts``."""
+
+    seek_pts: int
+    target_pts: tuple[int, ...]
+
+
+def probe_video(data: bytes, max_frame_pixels: int, max_frames: int) -> VideoProbe:
+    """Metadata of the first video stream; refuses oversized frames and too many frames before decoding."""
+    with _open(data) as container:
+        stream = _video_stream(container)
+        width, height = stream.codec_context.width, stream.codec_context.height
+        if width <= 0 or height <= 0:
+            raise MediaError("the video stream has no frame size")
+        if width * height > max_frame_pixels:
+            raise MediaError(
+                f"video frames of {width}x{height} exceed the limit of {max_frame_pixels} pixels",
+                code="media_too_large",
+            )
+        frame_pts, keyframe_pts = _index(container, stream, max_frames)
+        rotation = _first_frame_rotation(container, stream)
+        fps = _average_fps(stream, len(frame_pts))
+        return VideoProbe(
+            codec=stream.codec_context.name,
+            width=width,
+            height=height,
+            rotation=rotation,
+            fps=fps,
+            time_base=stream.time_base or Fraction(1, 1),
+            frame_pts=tuple(frame_pts),
+            keyframe_pts=tuple(keyframe_pts),
+        )
+
+
+def plan_decode(probe: VideoProbe, indices: Sequence[int]) -> list[DecodeSegment]:
+    """Group the sampled frames into runs that share one seek: a target whose keyframe lies beyond
+    everything decoded so far starts a new run at that keyframe."""
+    segments: list[DecodeSegment] = []
+    decoded_until = -1  # position (in frame_pts) of the last frame the current run decodes
+    for index in indices:
+        pts = probe.frame_pts[index]
+        keyframe = _keyframe_at_or_before(probe.keyframe_pts, pts)
+        keyframe_position = bisect.bisect_left(probe.frame_pts, keyframe)
+        if not segments or keyframe_position > decoded_until:
+            segments.append(DecodeSegment(keyframe, (pts,)))
+        else:
+            last = segments[-1]
+            segments[-1] = DecodeSegment(last.seek_pts, (*last.target_pts, pts))
+        decoded_until = index
+    return segments
+
+
+def frames_to_decode(probe: VideoProbe, segments: Sequence[DecodeSegment]) -> int:
+    """How many frames the plan walks through (the ``max_decoded_frames`` limit applies to this)."""
+    total = 0
+    for segment in segments:
+        start = bisect.bisect_left(probe.frame_pts, segment.seek_pts)
+        end = bisect.bisect_left(probe.frame_pts, segment.target_pts[-1])
+        total += end - start + 1
+    return total
+
+
+def decode_frames(data: bytes, probe: VideoProbe, indices: Sequence[int], threads: int = 1) -> np.ndarray:
+    """The frames at ``indices`` (ascending) as upright ``[T, H, W, 3]`` uint8 RGB."""
+    height, width = probe.display_size
+    out = np.empty((len(indices), height, width, 3), dtype=np.uint8)
+    position = {probe.frame_pts[index]: slot for slot, index in enumerate(indices)}
+    with _open(data) as container:
+        stream = _video_stream(container)
+        stream.codec_context.thread_count = threads
+        stream.codec_context.thread_type = "FRAME" if threads > 1 else "SLICE"
+        pending = set(position)
+        for frame in _sparse_frames(container, stream, plan_decode(probe, indices), pending):
+            _store(frame, out[position[frame.pts]], probe.rotation)
+            pending.discard(frame.pts)
+        if pending:
+            raise MediaError(f"{len(pending)} sampled video frame(s) could not be decoded; the file is corrupt")
+    return out
+
+
+def _sparse_frames(
+    container: av.container.InputContainer, stream: av.VideoStream, segments: list[DecodeSegment], pending: set[int]
+) -> Iterator[av.VideoFrame]:
+    targets = set(pending)
+    context = stream.codec_context
+    for segment in segments:
+        wanted = set(segment.target_pts)
+        container.seek(segment.seek_pts, stream=stream, backward=True, any_frame=False)
+        # The last packet demux yields is empty: decoding it drains the decoder's reordering delay.
+        for packet in container.demux(stream):
+            # Non-reference frames that are not sampled are needed by nobody: the decoder drops them.
+            context.skip_frame = "DEFAULT" if packet.pts in targets or packet.pts is None else "NONREF"
+            for frame in _decode(packet):
+                if frame.pts in wanted:
+                    wanted.discard(frame.pts)
+                    yield frame
+            if not wanted:
+                break
+    context.skip_frame = "DEFAULT"
+
+
+def _decode(packet: av.Packet) -> list[av.VideoFrame]:
+    try:
+        return packet.decode()
+    except av.FFmpegError as exc:
+        raise MediaError(f"the video stream is corrupt ({exc})") from None
+
+
+def _store(frame: av.VideoFrame, slot: np.ndarray, rotation: int) -> None:
+    rgb = frame.to_ndarray(format="rgb24")
+    slot[...] = np.rot90(rgb, rotation // 90) if rotation else rgb
+
+
+def _open(data: bytes) -> av.container.InputContainer:
+    try:
+        return av.open(io.BytesIO(data), mode="r")
+    except av.FFmpegError as exc:
+        raise MediaError(
+            f"the data is not a video in a supported container ({exc})", code="unsupported_media"
+        ) from None
+
+
+def _video_stream(container: av.container.InputContainer) -> av.VideoStream:
+    if not container.streams.video:
+        raise MediaError("the file has no video stream", code="unsupported_media")
+    stream = container.streams.video[0]
+    if stream.codec_context is None or stream.codec_context.name is None:
+        raise MediaError("the video codec is not supported", code="unsupported_media")
+    return stream
+
+
+def _index(
+    container: av.container.InputContainer, stream: av.VideoStream, max_frames: int
+) -> tuple[list[int], list[int]]:
+    frame_pts: list[int] = []
+    keyframe_pts: list[int] = []
+    try:
+        for packet in container.demux(stream):
+            if packet.pts is None:  # the flushing packet at the end, or a stream without timestamps
+                if packet.size:
+                    raise MediaError("the video has packets without timestamps", code="unsupported_media")
+                continue
+            frame_pts.append(packet.pts)
+            if packet.is_keyframe:
+                keyframe_pts.append(packet.pts)
+            if len(frame_pts) > max_frames:
+                raise MediaError(f"the video has more than {max_frames} frames", code="media_too_large")
+    except av.FFmpegError as exc:
+        raise MediaError(f"the video container is corrupt ({exc})") from None
+    if not frame_pts or not keyframe_pts:
+        raise MediaError("the video has no decodable frames")
+    frame_pts.sort()
+    keyframe_pts.sort()
+    container.seek(0, stream=stream, backward=True, any_frame=False)
+    return frame_pts, keyframe_pts
+
+
+def _first_frame_rotation(container: av.container.InputContainer, stream: av.VideoStream) -> int:
+    for packet in container.demux(stream):
+        for frame in _decode(packet):
+            return round(frame.rotation / 90) % 4 * 90
+    raise MediaError("the video has no decodable frames")
+
+
+def _average_fps(stream: av.VideoStream, frame_count: int) -> float:
+    rate = stream.average_rate or stream.guessed_rate
+    if rate:
+        return float(rate)
+    if stream.duration and stream.time_base:
+        return frame_count / float(stream.duration * stream.time_base)
+    raise MediaError("the video has no frame rate")
+
+
+def _keyframe_at_or_before(keyframes: Sequence[int], pts: int) -> int:
+    position = bisect.bisect_right(keyframes, pts) - 1
+    return keyframes[max(position, 0)]
