@@ -1,0 +1,133 @@
+"""The model's tokenizer, read from an HF-layout folder with the ``tokenizers`` library.
+
+The gateway never imports ``transformers`` (its image has no torch); it reads the same files
+``AutoTokenizer`` reads: ``tokenizer.json`` (the pipeline: normalizer, pre-tokenizer, model,
+post-processor, decoder, added tokens), ``tokenizer_config.json`` (special tokens, chat template),
+``chat_template.jinja`` / ``chat_template.json`` (the template as transformers 5 saves it) and
+``generation_config.json`` (end-of-sequence ids).  Tests compare every output with ``AutoTokenizer``.
+"""
+
+import json
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from tokenizers import Tokenizer
+
+logger = logging.getLogger(__name__)
+
+SPECIAL_TOKEN_KEYS = ("bos_token", "eos_token", "unk_token", "pad_token")
+
+
+class TokenizerLoadError(ValueError):
+    """The model folder has no usable tokenizer; the message names the file and what is wrong."""
+
+
+@dataclass(frozen=True)
+class TokenizerFiles:
+    """What the model folder says about tokenization, parsed but not yet compiled."""
+
+    special_tokens: dict[str, str] = field(default_factory=dict)
+    chat_template: str | None = None
+    eos_token_ids: tuple[int, ...] = ()
+
+
+class ModelTokenizer:
+    """Encode and decode with the model's tokenizer; safe to call from several threads."""
+
+    def __init__(self, tokenizer: Tokenizer, files: TokenizerFiles) -> None:
+        self._tokenizer = tokenizer
+        self.special_tokens = dict(files.special_tokens)
+        self.chat_template = files.chat_template
+        eos_ids = list(files.eos_token_ids)
+        eos_text = files.special_tokens.get("eos_token")
+        if eos_text is not None and (eos_id := tokenizer.token_to_id(eos_text)) is not None and eos_id not in eos_ids:
+            eos_ids.append(eos_id)
+        self.eos_token_ids = tuple(eos_ids)
+        self.vocab_size = tokenizer.get_vocab_size(with_added_tokens=True)
+        self._token_text: dict[int, str] = {}
+
+    @classmethod
+    def from_folder(cls, folder: Path) -> "ModelTokenizer":
+        path = folder / "tokenizer.json"
+        if not path.is_file():
+            raise TokenizerLoadError(f"{folder}: no tokenizer.json (the gateway needs the HF fast-tokenizer file)")
+        try:
+            tokenizer = Tokenizer.from_file(str(path))
+        except Exception as exc:  # the Rust library raises a bare Exception on malformed files
+            raise TokenizerLoadError(f"{path}: cannot be loaded: {exc}") from exc
+        return cls(tokenizer, read_tokenizer_files(folder))
+
+    def encode(self, text: str, add_special_tokens: bool) -> list[int]:
+        # encode_batch releases the GIL while the Rust side works; encode does not.
+        return self._tokenizer.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
+
+    def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        return self._tokenizer.decode(token_ids, skip_special_tokens=skip_special_tokens)
+
+    def token_text(self, token_id: int) -> str:
+        """One token decoded on its own (what logprobs report); cached, the vocabulary is fixed."""
+        text = self._token_text.get(token_id)
+        if text is None:
+            text = self._tokenizer.decode([token_id], skip_special_tokens=False)
+            self._token_text[token_id] = text
+        return text
+
+    def token_to_id(self, token: str) -> int | None:
+        return self._tokenizer.token_to_id(token)
+
+
+def read_tokenizer_files(folder: Path) -> TokenizerFiles:
+    """Special tokens, chat template and EOS ids from the folder's JSON/Jinja files."""
+    config = _read_json(folder / "tokenizer_config.json")
+    special_tokens = {}
+    for key in SPECIAL_TOKEN_KEYS:
+        value = config.get(key)
+        if isinstance(value, dict):  # the older AddedToken serialization
+            value = value.get("content")
+        if isinstance(value, str):
+            special_tokens[key] = value
+    if config.get("clean_up_tokenization_spaces"):
+        logger.warning("%s sets clean_up_tokenization_spaces; the gateway decodes without that clean-up", folder)
+    return TokenizerFiles(
+        special_tokens=special_tokens,
+        chat_template=_chat_template(folder, config),
+        eos_token_ids=_eos_token_ids(folder),
+    )
+
+
+def _chat_template(folder: Path, tokenizer_config: dict[str, Any]) -> str | None:
+    """transformers 5 precedence: chat_template.jinja, then chat_template.json, then tokenizer_config.json."""
+    jinja_file = folder / "chat_template.jinja"
+    if jinja_file.is_file():
+        return jinja_file.read_text(encoding="utf-8")
+    template = _read_json(folder / "chat_template.json").get("chat_template")
+    if template is None:
+        template = tokenizer_config.get("chat_template")
+    if isinstance(template, list):  # named templates: [{"name": "default", "template": ...}, ...]
+        named = {item.get("name"): item.get("template") for item in template if isinstance(item, dict)}
+        template = named.get("default")
+    return template if isinstance(template, str) else None
+
+
+def _eos_token_ids(folder: Path) -> tuple[int, ...]:
+    value = _read_json(folder / "generation_config.json").get("eos_token_id")
+    if isinstance(value, int):
+        return (value,)
+    if isinstance(value, list):
+        return tuple(v for v in value if isinstance(v, int))
+    return ()
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    if not path.is_file():
+        return {}
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise TokenizerLoadError(f"{path}: not valid JSON: {exc}") from exc
+    if not isinstance(data, dict):
+        raise TokenizerLoadError(f"{path}: expected a JSON object")
+    return data
