@@ -1,7 +1,15 @@
-"""Run the OpenAI-compatible HTTP gateway in front of one or more engines."""
+"""Run the OpenAI-compatible HTTP gateway in front of one or more engines.
+
+Engines come from --engines (a fixed HOST:PORT list) or --engine-service (the DNS name of the engines'
+headless Service, re-resolved every --discovery-interval seconds).  The tokenizer and chat template are
+read from --model.  SIGTERM stops accepting connections, marks /ready as 503 and lets open streams finish
+for up to --drain-timeout seconds.
+"""
 
 import argparse
 import logging
+from pathlib import Path
+from typing import Any
 
 from m3stack import options
 from m3stack.options import OptionGroup
@@ -10,11 +18,112 @@ logger = logging.getLogger(__name__)
 
 
 def add_arguments(opts: OptionGroup) -> None:
+    opts.add("--model", help="model folder with tokenizer.json and the chat template (an HF-layout checkpoint)")
+    opts.add("--served-model-name", help="the name clients pass as `model` (default: the model folder's name)")
     opts.add("--host", default="127.0.0.1", help="HTTP listen address")
     opts.add("--port", type=options.port, default=8000, help="HTTP port")
     opts.add("--engines", type=options.host_port_list, help="comma-separated engine HOST:PORT list")
+    opts.add(
+        "--engine-service", type=options.host_port, help="HOST:PORT of the engines' headless Service (DNS discovery)"
+    )
+    opts.add("--discovery-interval", type=options.positive_float, default=5.0, help="seconds between DNS lookups")
+    opts.add("--routing", default="least-inflight", choices=["least-inflight", "prefix-aware"], help="routing policy")
+    opts.add(
+        "--prefix-load-penalty",
+        type=options.non_negative_float,
+        default=0.1,
+        help="prefix-aware routing: score = matched prefix ratio - penalty * excess in-flight over the least loaded"
+        " engine, relative to its load",
+    )
+    opts.add("--api-key-file", help="file of accepted bearer tokens, one per line (re-read when it changes)")
+    opts.add("--max-request-bytes", type=options.positive_int, default=64 * 2**20, help="largest request body")
+    opts.add("--tokenizer-threads", type=options.positive_int, default=2, help="threads for templates and tokenizing")
+    opts.add(
+        "--max-attempts",
+        type=options.positive_int,
+        default=3,
+        help="engines tried per request before its first token (retries go to other engines)",
+    )
+    opts.add("--breaker-failures", type=options.positive_int, default=5, help="failures in a row that open a breaker")
+    opts.add("--breaker-open", type=options.positive_float, default=10.0, help="seconds a breaker stays open")
+    opts.add("--health-interval", type=options.positive_float, default=1.0, help="seconds between engine probes")
+    opts.add("--health-timeout", type=options.positive_float, default=2.0, help="deadline of one engine probe")
+    opts.add("--drain-timeout", type=options.non_negative_float, default=30.0, help="seconds open streams get on stop")
+    opts.flag("--access-log", help="log every HTTP request")
+
+
+def build_config(args: argparse.Namespace) -> Any:
+    from m3stack.gateway.config import GatewayConfig
+    from m3stack.gateway.engines.breaker import BreakerSettings
+    from m3stack.gateway.engines.client import ProbeSettings
+    from m3stack.gateway.engines.discovery import format_address
+
+    if not args.model:
+        raise ValueError("--model is required: the model folder with tokenizer.json and the chat template")
+    model_dir = Path(args.model).expanduser().resolve()
+    if not model_dir.is_dir():
+        raise ValueError(f"--model {args.model}: not a folder")
+    if bool(args.engines) == bool(args.engine_service):
+        raise ValueError("give exactly one of --engines and --engine-service")
+    return GatewayConfig(
+        model_dir=model_dir,
+        served_model_name=args.served_model_name or model_dir.name,
+        engines=tuple(format_address(host, port) for host, port in args.engines or ()),
+        engine_service=args.engine_service,
+        discovery_interval_s=args.discovery_interval,
+        routing=args.routing,
+        prefix_load_penalty=args.prefix_load_penalty,
+        api_key_file=Path(args.api_key_file) if args.api_key_file else None,
+        max_request_bytes=args.max_request_bytes,
+        tokenizer_threads=args.tokenizer_threads,
+        max_attempts=args.max_attempts,
+        breaker=BreakerSettings(failure_threshold=args.breaker_failures, open_s=args.breaker_open),
+        probe=ProbeSettings(interval_s=args.health_interval, timeout_s=args.health_timeout),
+    )
 
 
 def run(args: argparse.Namespace) -> int:
-    logger.error("the gateway is not implemented yet")
-    return 1
+    import uvicorn
+
+    from m3stack.gateway.api.app import create_app
+    from m3stack.gateway.tokenize.tokenizer import TokenizerLoadError
+
+    try:
+        config = build_config(args)
+        app = create_app(config)
+    except (ValueError, TokenizerLoadError) as exc:
+        logger.error("%s", exc)
+        return 2
+    state = app.state.gateway
+
+    class GatewayServer(uvicorn.Server):
+        async def startup(self, sockets: Any = None) -> None:
+            await super().startup(sockets)
+            if self.started:
+                logger.info(
+                    "m3stack gateway ready on http://%s:%d (model %r, engines: %s)",
+                    args.host,
+                    args.port,
+                    config.served_model_name,
+                    ", ".join(state.pool.engines) or "none found yet",
+                )
+
+        def handle_exit(self, sig: int, frame: Any) -> None:
+            if not state.draining:
+                logger.info("stopping: no new connections, open streams get %.0fs", args.drain_timeout)
+            state.draining = True
+            super().handle_exit(sig, frame)
+
+    server = GatewayServer(
+        uvicorn.Config(
+            app,
+            host=args.host,
+            port=args.port,
+            log_config=None,
+            access_log=args.access_log,
+            timeout_graceful_shutdown=int(args.drain_timeout) or None,
+            lifespan="on",
+        )
+    )
+    server.run()
+    return 0 if server.started else 1

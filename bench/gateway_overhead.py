@@ -1,0 +1,335 @@
+"""Gateway overhead: the same streamed requests through the gateway (HTTP + tokenize + route + relay)
+and straight to the engine (gRPC with token ids), side by side, at concurrency 1 and 64.
+
+The engine is a stub that speaks engine.proto and streams canned tokens at a fixed pace, so that the
+only difference between the two paths is the gateway.  Three processes (stub engine, gateway, this
+load generator) share the machine.  Run:
+
+    python -m bench.gateway_overhead [--out DIR]
+
+Writes ``bench/results/gateway_overhead.json``: per concurrency and path, TTFT and end-to-end latency
+p50/p99, and the overhead rows (gateway minus direct).  Target: p50 end-to-end overhead < 2 ms at
+concurrency 64.
+"""
+
+import argparse
+import asyncio
+import json
+import logging
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+from bench.common import write_results
+from m3stack.engine.proto import engine_pb2, engine_pb2_grpc
+
+logger = logging.getLogger("bench.gateway_overhead")
+
+LOOPBACK = "127.0.0.1"
+STUB_CONTEXT = 8192
+PROMPT = (
+    "Serving a large language model means batching requests, caching keys and values, and streaming tokens "
+    "to the user. Sparse attention selects the blocks of the context that matter most for each query. "
+) * 4
+
+
+# ------------------------------------------------------------------------------------------------
+# The stub engine
+
+
+class StubEngine(engine_pb2_grpc.EngineServicer):
+    """Streams ``max_new_tokens`` canned tokens, one every ``interval_s``, like a decode loop would."""
+
+    def __init__(self, token_ids: list[int], interval_s: float, vocab_size: int) -> None:
+        self._tokens = token_ids
+        self._interval_s = interval_s
+        self._vocab_size = vocab_size
+        self.running = 0
+
+    async def Generate(self, request, context):  # noqa: N802 - gRPC method name
+        count = request.sampling.max_new_tokens if request.sampling.HasField("max_new_tokens") else 16
+        prompt = len(request.input_ids)
+        self.running += 1
+        try:
+            for index in range(count):
+                await asyncio.sleep(self._interval_s)
+                token = self._tokens[index % len(self._tokens)]
+                yield engine_pb2.GenerateResponse(
+                    request_id=request.request_id,
+                    chunk=engine_pb2.GenerateChunk(
+                        token_ids=[token], prompt_tokens=prompt, completion_tokens=index + 1
+                    ),
+                )
+            yield engine_pb2.GenerateResponse(
+                request_id=request.request_id,
+                complete=engine_pb2.GenerateComplete(
+                    finish_reason=engine_pb2.FINISH_REASON_LENGTH, prompt_tokens=prompt, completion_tokens=count
+                ),
+            )
+        finally:
+            self.running -= 1
+
+    async def Abort(self, request, context):  # noqa: N802
+        return engine_pb2.AbortResponse(found=False)
+
+    async def HealthCheck(self, request, context):  # noqa: N802
+        return engine_pb2.HealthCheckResponse(healthy=True)
+
+    async def GetModelInfo(self, request, context):  # noqa: N802
+        return engine_pb2.ModelInfo(
+            served_model_name="stub", max_context_length=STUB_CONTEXT, vocab_size=self._vocab_size, kv_block_size=16
+        )
+
+    async def GetLoads(self, request, context):  # noqa: N802
+        return engine_pb2.Loads(num_running=self.running)
+
+
+async def serve_stub(port: int, model_dir: Path, interval_s: float) -> None:
+    from m3stack.gateway.tokenize.tokenizer import ModelTokenizer
+
+    tokenizer = ModelTokenizer.from_folder(model_dir)
+    canned = tokenizer.encode(" the quick brown fox jumps over the lazy dog", add_special_tokens=False)
+    server = grpc.aio.server()
+    engine_pb2_grpc.add_EngineServicer_to_server(StubEngine(canned, interval_s, tokenizer.vocab_size), server)
+    health_servicer = health.aio.HealthServicer()
+    await health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    server.add_insecure_port(f"{LOOPBACK}:{port}")
+    await server.start()
+    await server.wait_for_termination()
+
+
+def write_tokenizer_folder(folder: Path) -> Path:
+    """The tiny default model's tokenizer and chat template (no weights: the gateway needs none)."""
+    from m3stack.engine.model.tiny_tokenizer import build_tiny_tokenizer, chat_template
+
+    folder.mkdir(parents=True, exist_ok=True)
+    build_tiny_tokenizer().save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text(json.dumps({"bos_token": "]~!b[", "eos_token": "[e~["}))
+    (folder / "chat_template.jinja").write_text(chat_template())
+    return folder
+
+
+# ------------------------------------------------------------------------------------------------
+# Load generation
+
+
+@dataclass(frozen=True)
+class Sample:
+    ttft_s: float
+    e2e_s: float
+    tokens: int
+
+
+async def direct_request(stub: engine_pb2_grpc.EngineStub, prompt_ids: list[int], tokens: int, index: int) -> Sample:
+    start = time.perf_counter()
+    first = 0.0
+    received = 0
+    request = engine_pb2.GenerateRequest(
+        request_id=f"direct-{index}", input_ids=prompt_ids, sampling=engine_pb2.SamplingParams(max_new_tokens=tokens)
+    )
+    async for response in stub.Generate(request):
+        if response.HasField("chunk"):
+            received += len(response.chunk.token_ids)
+            if not first:
+                first = time.perf_counter()
+    return Sample(first - start, time.perf_counter() - start, received)
+
+
+async def gateway_request(session, url: str, tokens: int, index: int) -> Sample:
+    body = {
+        "model": "stub",
+        "prompt": PROMPT,
+        "max_tokens": tokens,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    start = time.perf_counter()
+    first = 0.0
+    received = 0
+    async with session.post(url, json=body) as response:
+        if response.status != 200:
+            raise RuntimeError(f"gateway answered {response.status}: {await response.text()}")
+        async for line in response.content:
+            if not first and line.startswith(b'data: {"id"'):
+                first = time.perf_counter()
+            elif line.startswith(b"data: {") and b'"usage":{' in line:
+                received = json.loads(line[len(b"data: ") :])["usage"]["completion_tokens"]
+    return Sample(first - start, time.perf_counter() - start, received)
+
+
+async def run_closed_loop(send: Callable[[int], Awaitable[Sample]], concurrency: int, total: int) -> list[Sample]:
+    samples: list[Sample] = []
+    next_index = 0
+
+    async def worker() -> None:
+        nonlocal next_index
+        while next_index < total:
+            index = next_index
+            next_index += 1
+            samples.append(await send(index))
+
+    await asyncio.gather(*(worker() for _ in range(concurrency)))
+    return samples
+
+
+def percentile(values: list[float], fraction: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, round(fraction * (len(ordered) - 1)))]
+
+
+def summarize(path: str, concurrency: int, samples: list[Sample]) -> dict[str, float | int | str]:
+    ttft = [s.ttft_s * 1e3 for s in samples]
+    e2e = [s.e2e_s * 1e3 for s in samples]
+    return {
+        "concurrency": concurrency,
+        "path": path,
+        "requests": len(samples),
+        "ttft_p50_ms": statistics.median(ttft),
+        "ttft_p99_ms": percentile(ttft, 0.99),
+        "e2e_p50_ms": statistics.median(e2e),
+        "e2e_p99_ms": percentile(e2e, 0.99),
+    }
+
+
+async def measure(args: argparse.Namespace, engine_port: int, gateway_port: int, prompt_ids: list[int]) -> list[dict]:
+    import aiohttp
+
+    rows: list[dict] = []
+    url = f"http://{LOOPBACK}:{gateway_port}/v1/completions"
+    connector = aiohttp.TCPConnector(limit=0)
+    async with (
+        aiohttp.ClientSession(connector=connector) as session,
+        grpc.aio.insecure_channel(f"{LOOPBACK}:{engine_port}") as channel,
+    ):
+        stub = engine_pb2_grpc.EngineStub(channel)
+
+        def direct(index: int) -> Awaitable[Sample]:
+            return direct_request(stub, prompt_ids, args.tokens, index)
+
+        def through_gateway(index: int) -> Awaitable[Sample]:
+            return gateway_request(session, url, args.tokens, index)
+
+        for concurrency in args.concurrency:
+            total = max(args.min_requests, concurrency * args.waves)
+            await run_closed_loop(direct, concurrency, concurrency * 2)  # warm-up
+            await run_closed_loop(through_gateway, concurrency, concurrency * 2)
+            # Alternate the two paths in rounds so that noise from other work on the machine hits both.
+            collected: dict[str, list[Sample]] = {"direct": [], "gateway": []}
+            for _ in range(args.rounds):
+                collected["direct"] += await run_closed_loop(direct, concurrency, total // args.rounds)
+                collected["gateway"] += await run_closed_loop(through_gateway, concurrency, total // args.rounds)
+            for samples in collected.values():
+                short = [s for s in samples if s.tokens != args.tokens]
+                if short:
+                    raise RuntimeError(f"{len(short)} requests did not receive exactly {args.tokens} tokens")
+            direct_row = summarize("direct", concurrency, collected["direct"])
+            gateway_row = summarize("gateway", concurrency, collected["gateway"])
+            overhead = {
+                "concurrency": concurrency,
+                "path": "overhead (gateway - direct)",
+                "requests": gateway_row["requests"],
+                **{key: gateway_row[key] - direct_row[key] for key in direct_row if key.endswith("_ms")},
+            }
+            rows += [direct_row, gateway_row, overhead]
+            logger.info("concurrency %d: %s", concurrency, json.dumps(overhead))
+    return rows
+
+
+def wait_ready(url: str, timeout_s: float) -> None:
+    import urllib.request
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            with urllib.request.urlopen(url, timeout=1) as response:
+                if response.status == 200:
+                    return
+        except OSError:
+            time.sleep(0.2)
+    raise TimeoutError(f"{url} not ready within {timeout_s}s")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", type=Path, default=None, help="results folder (default bench/results)")
+    parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 64])
+    parser.add_argument("--tokens", type=int, default=16, help="tokens per response")
+    parser.add_argument("--token-interval-ms", type=float, default=20.0, help="stub engine time per token")
+    parser.add_argument("--waves", type=int, default=8, help="requests per run = concurrency * waves")
+    parser.add_argument("--min-requests", type=int, default=120)
+    parser.add_argument("--rounds", type=int, default=4)
+    parser.add_argument("--serve-stub", type=int, default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--model-dir", type=Path, default=None, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if args.serve_stub is not None:
+        asyncio.run(serve_stub(args.serve_stub, args.model_dir, args.token_interval_ms / 1e3))
+        return
+
+    from m3stack.gateway.tokenize.tokenizer import ModelTokenizer
+    from m3stack.local.processes import free_port
+
+    with tempfile.TemporaryDirectory(prefix="m3stack-bench-") as tmp:
+        model_dir = write_tokenizer_folder(Path(tmp) / "stub")
+        prompt_ids = ModelTokenizer.from_folder(model_dir).encode(PROMPT, add_special_tokens=True)
+        engine_port, gateway_port = free_port(LOOPBACK), free_port(LOOPBACK)
+        python = sys.executable
+        children = [
+            subprocess.Popen(
+                [
+                    python,
+                    "-m",
+                    "bench.gateway_overhead",
+                    "--serve-stub",
+                    str(engine_port),
+                    "--model-dir",
+                    str(model_dir),
+                    "--token-interval-ms",
+                    str(args.token_interval_ms),
+                ]
+            ),
+            subprocess.Popen(
+                [
+                    python,
+                    "-m",
+                    "m3stack",
+                    "gateway",
+                    "--model",
+                    str(model_dir),
+                    "--engines",
+                    f"{LOOPBACK}:{engine_port}",
+                    "--port",
+                    str(gateway_port),
+                ],
+                env={**os.environ, "M3STACK_LOG_LEVEL": "WARNING"},
+            ),
+        ]
+        try:
+            wait_ready(f"http://{LOOPBACK}:{gateway_port}/ready", 60)
+            rows = asyncio.run(measure(args, engine_port, gateway_port, prompt_ids))
+        finally:
+            for child in children:
+                child.terminate()
+            for child in children:
+                child.wait(timeout=30)
+    settings = {
+        "tokens_per_request": args.tokens,
+        "stub_token_interval_ms": args.token_interval_ms,
+        "prompt_tokens": len(prompt_ids),
+        "target": "p50 end-to-end overhead < 2 ms at concurrency 64",
+    }
+    write_results("gateway_overhead", rows, extra={"settings": settings}, out_dir=args.out)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,269 @@
+"""The FastAPI application: routes, error rendering, middleware, and the engines' lifecycle."""
+
+import contextlib
+import logging
+import time
+from collections.abc import AsyncIterator
+from concurrent.futures import ThreadPoolExecutor
+from typing import Annotated, Any
+
+from fastapi import Depends, FastAPI, Header, Request
+from fastapi.exceptions import RequestValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.responses import JSONResponse, Response
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from m3stack import __version__
+from m3stack.gateway.api.auth import ApiKeys
+from m3stack.gateway.api.prompts import PromptBuilder
+from m3stack.gateway.api.schemas import (
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    CompletionRequest,
+    CompletionResponse,
+    ErrorResponse,
+    ModelCard,
+    ModelList,
+)
+from m3stack.gateway.api.service import CompletionService
+from m3stack.gateway.config import GatewayConfig
+from m3stack.gateway.engines.discovery import DnsDiscovery
+from m3stack.gateway.engines.pool import EnginePool
+from m3stack.gateway.errors import APIError
+from m3stack.gateway.generation.dispatch import Dispatcher
+from m3stack.gateway.metrics import GatewayMetrics
+from m3stack.gateway.routing.policies import make_policy
+from m3stack.gateway.tokenize.chat_template import ChatTemplate
+from m3stack.gateway.tokenize.tokenizer import ModelTokenizer
+
+logger = logging.getLogger(__name__)
+
+ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
+    status: {"model": ErrorResponse, "description": description}
+    for status, description in [
+        (400, "invalid request: bad JSON, invalid parameters, prompt too long"),
+        (401, "missing or wrong API key"),
+        (404, "unknown model"),
+        (413, "request body too large"),
+        (502, "an engine failed"),
+        (503, "no engine can take the request now (see Retry-After)"),
+    ]
+}
+API_PATHS = ("/v1/chat/completions", "/v1/completions", "/v1/models")
+HTTP_ERROR_CODES = {404: "not_found", 405: "method_not_allowed", 413: "request_too_large"}
+
+
+class GatewayState:
+    """What the routes share: built once per app from the config."""
+
+    def __init__(self, config: GatewayConfig) -> None:
+        self.config = config
+        self.metrics = GatewayMetrics()
+        self.tokenizer = ModelTokenizer.from_folder(config.model_dir)
+        template = self.tokenizer.chat_template
+        self.chat_template = ChatTemplate(template, self.tokenizer.special_tokens) if template else None
+        self.executor = ThreadPoolExecutor(max_workers=config.tokenizer_threads, thread_name_prefix="tokenize")
+        self.pool = EnginePool(config.breaker, config.probe, self.metrics)
+        self.policy = make_policy(config.routing, load_penalty=config.prefix_load_penalty)
+        self.dispatcher = Dispatcher(self.pool, self.policy, self.metrics, config.max_attempts)
+        self.service = CompletionService(
+            config.served_model_name,
+            self.tokenizer,
+            PromptBuilder(self.tokenizer, self.chat_template, self.executor),
+            self.pool,
+            self.dispatcher,
+            self.metrics,
+        )
+        self.api_keys = ApiKeys(config.api_key_file) if config.api_key_file else None
+        self.discovery: DnsDiscovery | None = None
+        self.draining = False
+        self.started_at = int(time.time())
+
+    async def start(self) -> None:
+        if self.config.engine_service is not None:
+            host, port = self.config.engine_service
+            self.discovery = DnsDiscovery(host, port, self.pool, self.config.discovery_interval_s)
+            await self.discovery.refresh()
+            self.discovery.start()
+        else:
+            self.pool.set_addresses(self.config.engines)
+        await self.pool.probe_all()
+        self.pool.start()
+
+    async def stop(self) -> None:
+        if self.discovery is not None:
+            self.discovery.stop()
+        await self.pool.stop()
+        self.executor.shutdown(wait=False, cancel_futures=True)
+
+
+def create_app(config: GatewayConfig) -> FastAPI:
+    state = GatewayState(config)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        await state.start()
+        try:
+            yield
+        finally:
+            await state.stop()
+
+    app = FastAPI(
+        title="m3stack gateway",
+        version=__version__,
+        lifespan=lifespan,
+        description="OpenAI-compatible API for MiniMax-M3-class models served by m3stack engines.",
+    )
+    app.state.gateway = state
+    _install_error_handlers(app)
+    _add_routes(app, state)
+    app.add_middleware(RequestGuard, metrics=state.metrics, max_body_bytes=config.max_request_bytes)
+    return app
+
+
+def _add_routes(app: FastAPI, state: GatewayState) -> None:
+    async def authorize(authorization: Annotated[str | None, Header()] = None) -> None:
+        if state.api_keys is not None:
+            state.api_keys.check(authorization)
+
+    api = [Depends(authorize)]
+
+    @app.post(
+        "/v1/chat/completions",
+        dependencies=api,
+        response_model=ChatCompletionResponse,
+        responses=ERROR_RESPONSES,
+        summary="Chat completion; with stream=true, server-sent events of chat.completion.chunk ending with [DONE]",
+    )
+    async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
+        return await state.service.chat(body, request, request.state.arrival_s)
+
+    @app.post(
+        "/v1/completions",
+        dependencies=api,
+        response_model=CompletionResponse,
+        responses=ERROR_RESPONSES,
+        summary="Text completion; with stream=true, server-sent events ending with [DONE]",
+    )
+    async def completions(body: CompletionRequest, request: Request) -> Response:
+        return await state.service.completions(body, request, request.state.arrival_s)
+
+    @app.get("/v1/models", dependencies=api, response_model=ModelList, responses=ERROR_RESPONSES)
+    async def models() -> ModelList:
+        return ModelList(
+            data=[
+                ModelCard(
+                    id=state.config.served_model_name,
+                    created=state.started_at,
+                    max_model_len=state.pool.context_length(),
+                )
+            ]
+        )
+
+    @app.get("/health", summary="Liveness: the process serves HTTP")
+    async def health() -> dict[str, str]:
+        return {"status": "ok"}
+
+    @app.get(
+        "/ready", summary="Readiness: at least one engine takes requests", responses={503: {"model": ErrorResponse}}
+    )
+    async def ready() -> Response:
+        engines = {address: engine.status.value for address, engine in state.pool.engines.items()}
+        if state.draining or not state.pool.any_ready():
+            reason = "draining" if state.draining else "no engine is ready"
+            return JSONResponse({"status": reason, "engines": engines}, status_code=503)
+        return JSONResponse({"status": "ready", "engines": engines})
+
+    @app.get("/metrics", summary="Prometheus metrics")
+    async def metrics() -> Response:
+        return Response(state.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+
+def _install_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(APIError)
+    async def api_error(request: Request, exc: APIError) -> Response:
+        return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
+
+    @app.exception_handler(RequestValidationError)
+    async def validation_error(request: Request, exc: RequestValidationError) -> Response:
+        return JSONResponse(validation_error_body(exc.errors()), status_code=400)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, exc: StarletteHTTPException) -> Response:
+        code = HTTP_ERROR_CODES.get(exc.status_code, str(exc.status_code))
+        error = APIError(exc.status_code, str(exc.detail), code=code)
+        return JSONResponse(error.body(), status_code=exc.status_code, headers=getattr(exc, "headers", None))
+
+    @app.exception_handler(Exception)
+    async def unexpected_error(request: Request, exc: Exception) -> Response:
+        logger.error("unhandled error on %s %s", request.method, request.url.path, exc_info=exc)
+        error = APIError(500, f"internal error: {type(exc).__name__}", type="server_error", code="internal_error")
+        return JSONResponse(error.body(), status_code=500)
+
+
+def validation_error_body(errors: Any) -> dict[str, Any]:
+    """pydantic's first error as an OpenAI error; ``param`` is the dotted field path."""
+    first = errors[0] if errors else {"loc": (), "msg": "invalid request", "type": ""}
+    if first.get("type") == "json_invalid":
+        message = f"The body is not valid JSON: {first.get('ctx', {}).get('error', first['msg'])}"
+        return APIError(400, message, code="invalid_json").body()
+    location = [str(part) for part in first.get("loc", ()) if part != "body"]
+    param = ".".join(location) or None
+    message = f"{param}: {first['msg']}" if param else str(first["msg"])
+    return APIError(400, message, param=param, code="invalid_value").body()
+
+
+class RequestGuard:
+    """Pure ASGI middleware: body size cap (413), the arrival time, and request metrics for /v1."""
+
+    def __init__(self, app: ASGIApp, metrics: GatewayMetrics, max_body_bytes: int) -> None:
+        self._app = app
+        self._metrics = metrics
+        self._max_body_bytes = max_body_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self._app(scope, receive, send)
+            return
+        scope.setdefault("state", {})["arrival_s"] = time.perf_counter()
+        declared = next((value for name, value in scope["headers"] if name == b"content-length"), None)
+        if declared is not None and declared.isdigit() and int(declared) > self._max_body_bytes:
+            await self._reject_too_large(scope, send)
+            return
+        path = scope["path"]
+        endpoint = path if path in API_PATHS else None
+        status_seen: list[int] = []
+        received = 0
+        limit = self._max_body_bytes
+
+        async def counted_receive() -> Message:
+            nonlocal received
+            message = await receive()
+            if message["type"] == "http.request":
+                received += len(message.get("body", b""))
+                if received > limit:
+                    # FastAPI re-raises HTTPException from a body read (anything else becomes a 400).
+                    raise StarletteHTTPException(413, f"The request body is larger than {limit} bytes")
+            return message
+
+        async def observed_send(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                status_seen.append(message["status"])
+            await send(message)
+
+        try:
+            await self._app(scope, counted_receive, observed_send)
+        finally:
+            if endpoint is not None:
+                status = status_seen[0] if status_seen else 499
+                self._metrics.requests.labels(endpoint=endpoint, status=str(status)).inc()
+
+    async def _reject_too_large(self, scope: Scope, send: Send) -> None:
+        error = APIError(
+            413, f"The request body is larger than {self._max_body_bytes} bytes", code=HTTP_ERROR_CODES[413]
+        )
+        await JSONResponse(error.body(), status_code=413)(scope, _no_body, send)
+
+
+async def _no_body() -> Message:
+    return {"type": "http.request", "body": b"", "more_body": False}

@@ -1,0 +1,28 @@
+"""Everything a gateway process is configured with (built from the CLI flags, or directly in tests)."""
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from m3stack.gateway.engines.breaker import BreakerSettings
+from m3stack.gateway.engines.client import ProbeSettings
+
+
+@dataclass(frozen=True)
+class GatewayConfig:
+    model_dir: Path  # tokenizer and chat template
+    served_model_name: str
+    engines: tuple[str, ...] = ()  # static HOST:PORT list
+    engine_service: tuple[str, int] | None = None  # (DNS name of a headless Service, gRPC port)
+    discovery_interval_s: float = 5.0
+    routing: str = "least-inflight"
+    prefix_load_penalty: float = 0.1
+    api_key_file: Path | None = None
+    max_request_bytes: int = 64 * 2**20
+    tokenizer_threads: int = 2
+    max_attempts: int = 3  # engines tried per request before its first token
+    breaker: BreakerSettings = field(default_factory=BreakerSettings)
+    probe: ProbeSettings = field(default_factory=ProbeSettings)
+
+    def __post_init__(self) -> None:
+        if not self.engines and self.engine_service is None:
+            raise ValueError("give the engines: a HOST:PORT list or the DNS name of their headless Service")
