@@ -1,10 +1,15 @@
 """Fixtures shared by every test folder."""
 
+import os
 from pathlib import Path
 
 import pytest
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
+
+# One intra-op thread per test process (read by torch when it is first imported): CI runs one xdist worker per
+# core, and small tensor ops under oversubscribed OpenMP threads run 10-20x slower on a busy 2-core machine.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
 @pytest.fixture(scope="session")

@@ -1,0 +1,111 @@
+"""The plain-PyTorch ``AttentionBackend``: any device, float32 math.  CPU serving, CI, and the naive MSA baseline.
+
+Each call stores the step's new K/V (and index keys on MSA layers) into the paged cache with
+``engine.msa.store.store_kv``, then, request by request, gathers the request's pages back into contiguous
+``[S, ...]`` tensors and runs ``engine.msa.reference`` (dense causal GQA, or index block top-k + block-sparse
+attention).  Simple and exact, and slow by design: it is the "reference gather + query-major" path the
+optimized kernels are measured against.
+"""
+
+from dataclasses import dataclass
+
+import torch
+
+from m3stack.engine.attention.metadata import AttentionMetadata
+from m3stack.engine.kv_cache.tensors import LayerKVCache
+from m3stack.engine.msa.reference import dense_causal_attention, index_block_topk, sparse_attention
+from m3stack.engine.msa.store import store_kv
+
+
+@dataclass(frozen=True)
+class _RequestView:
+    """Where one request of the step lives: its rows of the flat batch and its pages."""
+
+    rows: slice
+    seq_len: int
+    pages: torch.Tensor  # [ceil(seq_len / B)] page ids
+    q_positions: torch.Tensor  # [query_len] int64
+
+
+class ReferenceAttentionBackend:
+    """``AttentionBackend`` over ``kv_caches`` (one ``LayerKVCache`` per layer, from ``allocate_kv_cache``).
+
+    ``topk_blocks`` / ``local_blocks`` are the model's MSA settings (``index_topk_blocks``,
+    ``index_local_blocks``); the block size is the cache's page size.
+    """
+
+    def __init__(self, kv_caches: list[LayerKVCache], *, topk_blocks: int, local_blocks: int) -> None:
+        self.kv_caches = kv_caches
+        self.topk_blocks = topk_blocks
+        self.local_blocks = local_blocks
+        self._metadata: AttentionMetadata | None = None
+        self._requests: list[_RequestView] = []
+
+    def begin_step(self, metadata: AttentionMetadata) -> None:
+        block_size = metadata.block_size
+        if self.kv_caches and self.kv_caches[0].key.shape[2] != block_size:
+            raise ValueError(f"metadata block_size {block_size} != cache page size {self.kv_caches[0].key.shape[2]}")
+        starts = metadata.query_start_loc_cpu.tolist()
+        seq_lens = metadata.seq_lens_cpu.tolist()
+        positions = metadata.positions.long()
+        self._requests = []
+        for r, seq_len in enumerate(seq_lens):
+            rows = slice(starts[r], starts[r + 1])
+            if rows.stop - rows.start > seq_len:
+                raise ValueError(f"request {r} adds {rows.stop - rows.start} tokens but its context is {seq_len}")
+            num_pages = -(-seq_len // block_size)
+            pages = metadata.page_table[r, :num_pages].long()
+            self._requests.append(_RequestView(rows, seq_len, pages, positions[rows]))
+        self._metadata = metadata
+
+    def dense(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        cache = self._store(layer, k, v, None)
+        out = torch.empty_like(q)
+        scale = q.shape[-1] ** -0.5
+        for request in self._requests:
+            keys, values = self._gather_kv(cache, request)
+            attended = dense_causal_attention(q[request.rows], keys, values, request.q_positions, scale)
+            out[request.rows] = attended.to(q.dtype)
+        return out
+
+    def sparse(
+        self,
+        layer: int,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        index_q: torch.Tensor,
+        index_k: torch.Tensor,
+    ) -> torch.Tensor:
+        cache = self._store(layer, k, v, index_k)
+        if cache.index_key is None:
+            raise ValueError(f"layer {layer} has no index-key cache: the KV cache spec says it is not an MSA layer")
+        block_size = cache.key.shape[2]
+        out = torch.empty_like(q)
+        scale = q.shape[-1] ** -0.5
+        for request in self._requests:
+            keys, values = self._gather_kv(cache, request)
+            index_keys = cache.index_key[request.pages].flatten(0, 1)[: request.seq_len]
+            selected = index_block_topk(
+                index_q[request.rows], index_keys, request.q_positions, block_size, self.topk_blocks, self.local_blocks
+            )
+            attended = sparse_attention(q[request.rows], keys, values, request.q_positions, selected, block_size, scale)
+            out[request.rows] = attended.to(q.dtype)
+        return out
+
+    def _store(self, layer: int, k: torch.Tensor, v: torch.Tensor, index_k: torch.Tensor | None) -> LayerKVCache:
+        if self._metadata is None:
+            raise RuntimeError("begin_step(metadata) must be called before the first layer")
+        cache = self.kv_caches[layer]
+        store_kv(cache, self._metadata.slot_mapping, k, v, index_k)
+        return cache
+
+    @staticmethod
+    def _gather_kv(cache: LayerKVCache, request: _RequestView) -> tuple[torch.Tensor, torch.Tensor]:
+        """The request's keys and values ``[S, Hkv, D]`` in position order."""
+
+        def gather(paged: torch.Tensor) -> torch.Tensor:
+            # [P, Hkv, B, D] -> [P, B, Hkv, D] -> [P * B, Hkv, D]
+            return paged[request.pages].transpose(1, 2).flatten(0, 1)[: request.seq_len]
+
+        return gather(cache.key), gather(cache.value)
