@@ -118,8 +118,9 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.running or self.waiting)
 
-    def add_request(self, request: Request) -> None:
-        if len(self.waiting) >= self.config.max_waiting:
+    def add_request(self, request: Request, *, bypass_queue_limit: bool = False) -> None:
+        """Queue a request; ``bypass_queue_limit`` is for the engine's own probes (deep health checks)."""
+        if not bypass_queue_limit and len(self.waiting) >= self.config.max_waiting:
             raise QueueFullError(f"the waiting queue is full ({self.config.max_waiting} requests)")
         self.requests[request.request_id] = request
         self.waiting.append(request)

@@ -56,3 +56,30 @@ def new_request():
 @pytest.fixture
 def new_image():
     return make_image
+
+
+@pytest.fixture
+def one_torch_thread():
+    """Tiny-model steps are dominated by thread hand-offs on a shared 2-core machine; one thread is much faster."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)
+
+
+@pytest.fixture
+def build_core(tiny_model_dir, one_torch_thread):
+    """An ``EngineCore`` on the tiny model, its KV cache poisoned with NaN so reading an unwritten slot shows."""
+    from m3stack.engine.runtime.builder import build_engine_core
+    from m3stack.engine.runtime.config import EngineConfig
+
+    def build(**overrides):
+        settings = {"model": str(tiny_model_dir), "num_kv_blocks": 256, "max_num_batched_tokens": 256, **overrides}
+        core = build_engine_core(EngineConfig(**settings))
+        for layer in core.runner.backend.kv_caches:
+            for tensor in (layer.key, layer.value, layer.index_key):
+                if tensor is not None:
+                    tensor.fill_(float("nan"))
+        return core
+
+    return build

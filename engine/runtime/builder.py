@@ -1,0 +1,225 @@
+"""Assemble an ``EngineCore`` from an ``EngineConfig``: load the model, size and allocate the KV cache, pick the
+attention backend, capture decode CUDA graphs.
+
+KV sizing on cuda profiles one full step first (``max_num_batched_tokens`` tokens spread over
+``max_num_seqs`` requests, through the real scheduler, runner and sampler, on a temporary cache) and
+gives the KV cache what is left of ``gpu_memory_utilization`` of the device after weights and that
+peak.  On cpu it takes ``kv_cache_gb`` (1 GiB by default).
+"""
+
+import logging
+from pathlib import Path
+
+import torch
+
+from m3stack.engine.attention.backend import AttentionBackend
+from m3stack.engine.attention.reference import ReferenceAttentionBackend
+from m3stack.engine.kv_cache.tensors import KVCacheSpec, LayerKVCache, allocate_kv_cache
+from m3stack.engine.model.config import M3Config
+from m3stack.engine.model.loader import load_model
+from m3stack.engine.model.tiny import ensure_tiny_checkpoint
+from m3stack.engine.runtime.config import EngineConfig, ModelInfo
+from m3stack.engine.runtime.encoder_cache import EncoderCache
+from m3stack.engine.runtime.engine_core import EngineCore
+from m3stack.engine.runtime.kv_cache_manager import KVCacheManager
+from m3stack.engine.runtime.request import Request, SamplingParams
+from m3stack.engine.runtime.runner import ModelRunner
+from m3stack.engine.runtime.scheduler import Scheduler, SchedulerConfig
+
+logger = logging.getLogger(__name__)
+
+CPU_DEFAULT_KV_GB = 1.0
+DEFAULT_ENCODER_CACHE_EMBEDS = 16384
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise ValueError("--device cuda was asked for but torch sees no CUDA device")
+    return torch.device(name)
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return {"bfloat16": torch.bfloat16, "float32": torch.float32}[name]
+
+
+def model_folder(model: str) -> Path:
+    if model == "default":
+        return ensure_tiny_checkpoint()
+    folder = Path(model).expanduser()
+    if not folder.is_dir():
+        raise ValueError(f"--model {model!r} is not a folder (expected an HF-layout M3 checkpoint, or 'default')")
+    return folder
+
+
+def make_attention_backend(kv_caches: list[LayerKVCache], config: M3Config, device: torch.device) -> AttentionBackend:
+    text = config.text
+    if device.type == "cuda":
+        try:
+            from m3stack.engine.attention.gpu import GpuAttentionBackend
+        except ImportError as exc:
+            logger.warning("the CUDA attention backend is unavailable (%s); using the reference backend", exc)
+        else:
+            return GpuAttentionBackend(
+                kv_caches, topk_blocks=text.index_topk_blocks, local_blocks=text.index_local_blocks
+            )
+    return ReferenceAttentionBackend(
+        kv_caches, topk_blocks=text.index_topk_blocks, local_blocks=text.index_local_blocks
+    )
+
+
+def build_engine_core(config: EngineConfig) -> EngineCore:
+    device = resolve_device(config.device)
+    dtype = resolve_dtype(config.dtype, device)
+    folder = model_folder(config.model)
+    if config.cpu_threads:
+        torch.set_num_threads(config.cpu_threads)
+    torch.manual_seed(config.seed)
+    logger.info("loading %s on %s (%s)", folder, device, str(dtype).removeprefix("torch."))
+    model, m3 = load_model(folder, device, dtype)
+    spec = model.kv_cache_spec(dtype)
+    block_size = spec.block_size
+    encoder_embeds = config.encoder_cache_embeds or max(config.max_num_batched_tokens, DEFAULT_ENCODER_CACHE_EMBEDS)
+
+    def assemble(num_blocks: int, max_model_len: int, cuda_graphs: bool) -> EngineCore:
+        kv_caches = allocate_kv_cache(spec, num_blocks, device)
+        backend = make_attention_backend(kv_caches, m3, device)
+        info = _model_info(config, folder, m3, max_model_len, block_size, num_blocks, dtype, device)
+        encoder_cache = EncoderCache(encoder_embeds)
+        scheduler = Scheduler(
+            SchedulerConfig(
+                max_model_len=max_model_len,
+                max_num_seqs=config.max_num_seqs,
+                max_num_batched_tokens=config.max_num_batched_tokens,
+                max_waiting=config.max_queue,
+                max_encoder_embeds_per_step=config.max_num_batched_tokens,
+            ),
+            KVCacheManager(num_blocks, block_size, config.enable_prefix_caching),
+            encoder_cache,
+        )
+        graphs = None
+        if cuda_graphs:
+            from m3stack.engine.runtime.cuda_graphs import DecodeGraphs
+
+            graphs = DecodeGraphs(
+                model,
+                backend,
+                device,
+                block_size=block_size,
+                max_batch=config.max_num_seqs,
+                max_model_len=max_model_len,
+            )
+        runner = ModelRunner(
+            model,
+            backend,
+            encoder_cache,
+            block_size=block_size,
+            vocab_size=m3.text.vocab_size,
+            device=device,
+            dtype=dtype,
+            decode_graphs=graphs,
+        )
+        return EngineCore(info, scheduler, runner)
+
+    num_blocks = _num_kv_blocks(config, spec, device, assemble)
+    capacity = (num_blocks - 1) * block_size
+    limit = m3.text.max_position_embeddings
+    max_model_len = config.max_model_len or min(limit, capacity)
+    if max_model_len > limit:
+        raise ValueError(f"--max-model-len {max_model_len} exceeds the model's max_position_embeddings {limit}")
+    if max_model_len > capacity:
+        raise ValueError(
+            f"--max-model-len {max_model_len} exceeds the KV cache capacity of {capacity} tokens "
+            f"({num_blocks - 1} blocks of {block_size}); lower it or give the KV cache more memory"
+        )
+    use_graphs = config.cuda_graphs and device.type == "cuda"
+    core = assemble(num_blocks, max_model_len, use_graphs)
+    if use_graphs:
+        core.runner.decode_graphs.capture()
+    logger.info(
+        "KV cache: %d blocks x %d tokens = %d tokens (%.2f GiB); context limit %d",
+        num_blocks - 1,
+        block_size,
+        capacity,
+        num_blocks * spec.bytes_per_page / 2**30,
+        max_model_len,
+    )
+    return core
+
+
+def _num_kv_blocks(config: EngineConfig, spec: KVCacheSpec, device: torch.device, assemble) -> int:
+    if config.num_kv_blocks is not None:
+        return config.num_kv_blocks + 1  # plus the reserved null block
+    if config.kv_cache_gb is not None or device.type != "cuda":
+        budget = (config.kv_cache_gb or CPU_DEFAULT_KV_GB) * 2**30
+    else:
+        peak = _profile_step_bytes(config, spec, assemble)
+        free, total = torch.cuda.mem_get_info(device)
+        budget = total * config.gpu_memory_utilization - (total - free) - peak
+        logger.info(
+            "memory: %.1f GiB in use, step peak %.2f GiB, %.1f GiB for the KV cache",
+            (total - free) / 2**30,
+            peak / 2**30,
+            budget / 2**30,
+        )
+    num_blocks = int(budget // spec.bytes_per_page)
+    if num_blocks < 2:
+        raise ValueError(f"no room for a KV cache: {budget / 2**30:.2f} GiB gives {num_blocks} blocks")
+    return num_blocks
+
+
+def _profile_step_bytes(config: EngineConfig, spec: KVCacheSpec, assemble) -> int:
+    """Peak device bytes one full step allocates beyond the weights (activations, logits, sampling)."""
+    tokens = config.max_num_batched_tokens
+    num_requests = min(config.max_num_seqs, tokens)
+    per_request = tokens // num_requests
+    blocks = num_requests * -(-per_request // spec.block_size) + 1
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    before = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    core = assemble(blocks, per_request + 1, False)
+    cache_bytes = torch.cuda.memory_allocated() - before
+    for index in range(num_requests):
+        core.add_request(
+            Request(f"profile-{index}", [0] * per_request, SamplingParams(temperature=1.0, top_p=0.9), max_tokens=1)
+        )
+    core.step()
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated() - before - cache_bytes
+    del core
+    torch.cuda.empty_cache()
+    return int(peak)
+
+
+def _model_info(
+    config: EngineConfig,
+    folder: Path,
+    m3: M3Config,
+    max_model_len: int,
+    block_size: int,
+    num_blocks: int,
+    dtype: torch.dtype,
+    device: torch.device,
+) -> ModelInfo:
+    return ModelInfo(
+        model_path=str(folder),
+        served_model_name=config.served_model_name or folder.name,
+        model_type="minimax_m3_vl",
+        vocab_size=m3.text.vocab_size,
+        max_model_len=max_model_len,
+        eos_token_ids=m3.eos_token_ids,
+        bos_token_id=m3.bos_token_id,
+        block_size=block_size,
+        image_token_id=m3.image_token_id,
+        video_token_id=m3.video_token_id,
+        patch_dim=m3.vision.patch_dim,
+        spatial_merge_size=m3.vision.spatial_merge_size,
+        supports_vision=True,
+        dtype=str(dtype).removeprefix("torch."),
+        device=device.type,
+        num_kv_blocks=num_blocks,
+    )

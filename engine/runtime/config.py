@@ -1,0 +1,45 @@
+"""What the engine is asked to do (``EngineConfig``, from the CLI) and what it found (``ModelInfo``, from the model)."""
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: str = "default"  # checkpoint folder, or "default" for the tiny random-weight model
+    served_model_name: str = ""
+    device: str = "cpu"  # cpu | cuda
+    dtype: str = "auto"  # auto (bfloat16 on cuda, float32 on cpu) | bfloat16 | float32
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 4096
+    max_model_len: int | None = None  # None: the model's limit, capped by the KV capacity
+    kv_cache_gb: float | None = None  # None: a memory fraction on cuda, 1 GiB on cpu
+    gpu_memory_utilization: float = 0.9
+    max_queue: int = 1024
+    enable_prefix_caching: bool = True
+    cuda_graphs: bool = True
+    encoder_cache_embeds: int | None = None  # None: max(max_num_batched_tokens, 16384)
+    num_kv_blocks: int | None = None  # exact KV block count (tests, benchmarks); overrides kv_cache_gb
+    cpu_threads: int | None = None  # torch intra-op threads; None: torch's default
+    seed: int = 0
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """Facts about the loaded model that validation, scheduling and GetModelInfo need."""
+
+    model_path: str
+    served_model_name: str
+    model_type: str
+    vocab_size: int
+    max_model_len: int
+    eos_token_ids: tuple[int, ...]
+    bos_token_id: int | None
+    block_size: int
+    image_token_id: int
+    video_token_id: int
+    patch_dim: int  # channels * temporal_patch * patch * patch of one flattened patch
+    spatial_merge_size: int
+    supports_vision: bool
+    dtype: str
+    device: str
+    num_kv_blocks: int

@@ -1,0 +1,144 @@
+"""One engine step at a time: schedule, execute, apply; request-level failures never stop the engine.
+
+``EngineCore`` is synchronous and single-threaded (the server drives it from one thread).  A step
+that fails ends only the requests it touched: an image the vision tower rejects ends the requests
+that carry it with INVALID_ARGUMENT while the others simply run next step; any other failure of the
+forward ends that step's requests with INTERNAL and is logged with its traceback.
+"""
+
+import logging
+import time
+from dataclasses import dataclass
+from typing import Protocol
+
+from m3stack.engine.runtime.config import ModelInfo
+from m3stack.engine.runtime.errors import DuplicateRequestError, EngineError, InvalidRequestError
+from m3stack.engine.runtime.request import Request, RequestOutput, SampledToken
+from m3stack.engine.runtime.scheduler import Scheduler, SchedulerOutput
+
+logger = logging.getLogger(__name__)
+
+
+class Runner(Protocol):
+    def execute(self, out: SchedulerOutput) -> dict[str, SampledToken]:
+        """Run the encoder items and the forward of ``out``; the sampled token of every request that samples."""
+        ...
+
+
+class EncoderError(Exception):
+    """The vision tower could not encode some items (by content hash); nothing else of the step ran."""
+
+    def __init__(self, content_hashes: set[str], message: str) -> None:
+        super().__init__(message)
+        self.content_hashes = content_hashes
+        self.message = message
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    num_running: int
+    num_waiting: int
+    kv_usage: float
+    num_used_tokens: int
+    prefix_query_tokens: int
+    prefix_hit_tokens: int
+    num_preemptions: int
+    encoder_cache_hits: int
+    encoder_cache_misses: int
+    num_steps: int
+
+    @property
+    def prefix_hit_rate(self) -> float:
+        return self.prefix_hit_tokens / self.prefix_query_tokens if self.prefix_query_tokens else 0.0
+
+
+@dataclass(frozen=True)
+class StepReport:
+    """What one step did, for metrics and benchmarks."""
+
+    outputs: list[RequestOutput]
+    num_requests: int
+    num_tokens: int
+    is_pure_decode: bool
+    seconds: float
+
+
+class EngineCore:
+    def __init__(self, info: ModelInfo, scheduler: Scheduler, runner: Runner) -> None:
+        self.info = info
+        self.scheduler = scheduler
+        self.runner = runner
+        self.num_steps = 0
+
+    @property
+    def has_work(self) -> bool:
+        return self.scheduler.has_work
+
+    def add_request(self, request: Request, *, bypass_queue_limit: bool = False) -> None:
+        if request.request_id in self.scheduler.requests:
+            raise DuplicateRequestError(f"request_id {request.request_id!r} is already running")
+        cache = self.scheduler.encoder_cache
+        for item in request.mm_inputs:
+            if not cache.fits(item.num_embeds):
+                raise InvalidRequestError(
+                    f"an {item.modality.value} of {item.num_embeds} embeddings exceeds the encoder cache "
+                    f"({cache.capacity_embeds}); send it smaller or raise the engine's encoder cache size"
+                )
+        self.scheduler.add_request(request, bypass_queue_limit=bypass_queue_limit)
+
+    def abort_request(self, request_id: str, message: str) -> RequestOutput | None:
+        return self.scheduler.abort_request(request_id, message)
+
+    def step(self) -> StepReport:
+        start = time.perf_counter()
+        out = self.scheduler.schedule()
+        if out.is_empty:
+            return StepReport([], 0, 0, False, time.perf_counter() - start)
+        self.num_steps += 1
+        try:
+            sampled = self.runner.execute(out)
+        except EncoderError as failure:
+            logger.warning("vision encoder rejected items: %s", failure.message)
+            error = InvalidRequestError(failure.message)
+            failed = [
+                s.request.request_id
+                for s in out.requests
+                if any(m.content_hash in failure.content_hashes for m in s.request.mm_inputs)
+            ]
+            outputs = self._fail(failed, error)
+        except Exception as exc:
+            logger.exception("step failed; ending its %d requests", len(out.requests))
+            outputs = self._fail(
+                [s.request.request_id for s in out.requests],
+                EngineError(f"the engine step failed: {type(exc).__name__}: {exc}"),
+            )
+        else:
+            outputs = self.scheduler.update(out, sampled)
+        is_decode = all(s.num_new_tokens == 1 and s.samples for s in out.requests)
+        return StepReport(outputs, len(out.requests), out.num_tokens, is_decode, time.perf_counter() - start)
+
+    def _fail(self, request_ids: list[str], error: EngineError) -> list[RequestOutput]:
+        outputs = []
+        for request_id in request_ids:
+            output = self.scheduler.abort_request(request_id, error.message)
+            if output is not None:
+                output.error = error
+                outputs.append(output)
+        return outputs
+
+    def stats(self) -> EngineStats:
+        kv = self.scheduler.kv
+        encoder = self.scheduler.encoder_cache
+        used_blocks = kv.pool.num_usable_blocks - kv.num_free_blocks
+        return EngineStats(
+            num_running=self.scheduler.num_running,
+            num_waiting=self.scheduler.num_waiting,
+            kv_usage=kv.usage,
+            num_used_tokens=used_blocks * kv.block_size,
+            prefix_query_tokens=kv.prefix_query_tokens,
+            prefix_hit_tokens=kv.prefix_hit_tokens,
+            num_preemptions=self.scheduler.num_preemptions,
+            encoder_cache_hits=encoder.hits,
+            encoder_cache_misses=encoder.misses,
+            num_steps=self.num_steps,
+        )

@@ -1,0 +1,129 @@
+"""Flatten a ``SchedulerOutput`` into the model's varlen inputs and the per-step ``AttentionMetadata``.
+
+Pure host-side arithmetic (numpy), then one copy per tensor to the device.  Row layout: request r's
+new tokens are rows ``query_start_loc[r] : query_start_loc[r + 1]`` in scheduling order; the rows
+whose logits are sampled are each sampling request's last row.  Vision embeddings enter as
+(row, embedding) pairs: the rows of this step's tokens that fall on an item's embedding positions,
+and the matching slice of the item's cached encoder output.
+"""
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from m3stack.engine.attention.metadata import AttentionMetadata
+from m3stack.engine.runtime.encoder_cache import EncoderCache
+from m3stack.engine.runtime.request import Request
+from m3stack.engine.runtime.scheduler import SchedulerOutput
+
+
+@dataclass
+class HostInputs:
+    """Everything of a step on the host, before the device copy (numpy, so it is cheap to build and test)."""
+
+    input_ids: np.ndarray  # [T] int64
+    positions: np.ndarray  # [T] int64
+    query_start_loc: np.ndarray  # [R + 1] int32
+    seq_lens: np.ndarray  # [R] int32
+    slot_mapping: np.ndarray  # [T] int64
+    page_table: np.ndarray  # [R, max_pages] int32, 0 past each request's pages
+    logits_rows: np.ndarray  # [S] int64, one per sampling request
+    sampling_requests: list[Request]
+    mm_rows: np.ndarray  # [M] int64 rows receiving vision embeddings
+    mm_slices: list[tuple[str, torch.Tensor]]  # (content hash, boolean mask over the item's embeddings), in row order
+
+
+@dataclass
+class StepInputs:
+    """The same on the device, ready for ``model.forward`` and the sampler."""
+
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    metadata: AttentionMetadata
+    logits_rows: torch.Tensor
+    sampling_requests: list[Request]
+    mm_rows: torch.Tensor | None
+    mm_embeds: torch.Tensor | None
+
+
+def build_host_inputs(out: SchedulerOutput, block_size: int) -> HostInputs:
+    num_requests = len(out.requests)
+    query_lens = np.fromiter((s.num_new_tokens for s in out.requests), dtype=np.int64, count=num_requests)
+    starts = np.fromiter((s.start for s in out.requests), dtype=np.int64, count=num_requests)
+    query_start_loc = np.zeros(num_requests + 1, dtype=np.int32)
+    np.cumsum(query_lens, out=query_start_loc[1:])
+    seq_lens = (starts + query_lens).astype(np.int32)
+    num_tokens = int(query_start_loc[-1])
+
+    input_ids = np.empty(num_tokens, dtype=np.int64)
+    positions = np.empty(num_tokens, dtype=np.int64)
+    max_pages = int(-(-seq_lens.max() // block_size)) if num_requests else 0
+    page_table = np.zeros((num_requests, max_pages), dtype=np.int32)
+    logits_rows, sampling_requests = [], []
+    mm_rows: list[np.ndarray] = []
+    mm_slices: list[tuple[str, torch.Tensor]] = []
+    for r, scheduled in enumerate(out.requests):
+        row, start, end = int(query_start_loc[r]), scheduled.start, scheduled.start + scheduled.num_new_tokens
+        tokens = scheduled.request.token_ids
+        input_ids[row : row + scheduled.num_new_tokens] = tokens[start:end]
+        positions[row : row + scheduled.num_new_tokens] = np.arange(start, end)
+        pages = -(-end // block_size)
+        page_table[r, :pages] = scheduled.block_ids[:pages]
+        if scheduled.samples:
+            logits_rows.append(row + scheduled.num_new_tokens - 1)
+            sampling_requests.append(scheduled.request)
+        for item in scheduled.request.mm_inputs:
+            if item.last_embed < start or item.first_embed >= end:
+                continue
+            mask = (item.embed_positions >= start) & (item.embed_positions < end)
+            mm_rows.append(item.embed_positions[mask].numpy() - start + row)
+            mm_slices.append((item.content_hash, mask))
+
+    request_of_token = np.repeat(np.arange(num_requests), query_lens)
+    slot_mapping = (
+        page_table[request_of_token, positions // block_size].astype(np.int64) * block_size + positions % block_size
+    )
+    return HostInputs(
+        input_ids=input_ids,
+        positions=positions,
+        query_start_loc=query_start_loc,
+        seq_lens=seq_lens,
+        slot_mapping=slot_mapping,
+        page_table=page_table,
+        logits_rows=np.asarray(logits_rows, dtype=np.int64),
+        sampling_requests=sampling_requests,
+        mm_rows=np.concatenate(mm_rows) if mm_rows else np.empty(0, dtype=np.int64),
+        mm_slices=mm_slices,
+    )
+
+
+def to_device(host: HostInputs, block_size: int, device: torch.device, encoder_cache: EncoderCache) -> StepInputs:
+    def move(array: np.ndarray) -> torch.Tensor:
+        return torch.from_numpy(array).to(device, non_blocking=True)
+
+    query_start_loc_cpu = torch.from_numpy(host.query_start_loc)
+    seq_lens_cpu = torch.from_numpy(host.seq_lens)
+    metadata = AttentionMetadata(
+        block_size=block_size,
+        query_start_loc=query_start_loc_cpu.to(device, non_blocking=True),
+        seq_lens=seq_lens_cpu.to(device, non_blocking=True),
+        positions=move(host.positions),
+        slot_mapping=move(host.slot_mapping),
+        page_table=move(host.page_table),
+        query_start_loc_cpu=query_start_loc_cpu,
+        seq_lens_cpu=seq_lens_cpu,
+    )
+    mm_rows = mm_embeds = None
+    if host.mm_slices:
+        mm_rows = move(host.mm_rows)
+        mm_embeds = torch.cat([encoder_cache.get(key)[mask.to(device)] for key, mask in host.mm_slices])
+    return StepInputs(
+        input_ids=move(host.input_ids),
+        positions=metadata.positions,
+        metadata=metadata,
+        logits_rows=move(host.logits_rows),
+        sampling_requests=host.sampling_requests,
+        mm_rows=mm_rows,
+        mm_embeds=mm_embeds,
+    )

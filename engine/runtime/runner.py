@@ -1,0 +1,106 @@
+"""Execute one scheduled step: vision encoder items, the model forward over the flat batch, sampling.
+
+The scheduler decided everything; the runner only turns it into tensors (``inputs.py``), runs the
+model, and samples on the device.  Pure-decode batches replay a captured CUDA graph when one fits
+(``cuda_graphs.py``); everything else runs eagerly.
+"""
+
+import logging
+from typing import Any, Protocol
+
+import torch
+
+from m3stack.engine.attention.backend import AttentionBackend
+from m3stack.engine.runtime.encoder_cache import EncoderCache
+from m3stack.engine.runtime.engine_core import EncoderError
+from m3stack.engine.runtime.inputs import build_host_inputs, to_device
+from m3stack.engine.runtime.request import Modality, MultimodalInput, SampledToken
+from m3stack.engine.runtime.sampler import build_sampling_batch, sample
+from m3stack.engine.runtime.scheduler import SchedulerOutput
+
+logger = logging.getLogger(__name__)
+
+
+class ServingModel(Protocol):
+    """What the runner needs from ``engine.model`` (see its loader)."""
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        attn_backend: AttentionBackend,
+        mm_positions: torch.Tensor | None,
+        mm_embeds: torch.Tensor | None,
+    ) -> torch.Tensor: ...
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor: ...
+
+    def encode_vision(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor, modality: str) -> torch.Tensor:
+        """uint8 patches are normalized by the model with the checkpoint's mean/std."""
+        ...
+
+
+class ModelRunner:
+    def __init__(
+        self,
+        model: ServingModel,
+        backend: AttentionBackend,
+        encoder_cache: EncoderCache,
+        *,
+        block_size: int,
+        vocab_size: int,
+        device: torch.device,
+        dtype: torch.dtype,
+        decode_graphs: Any = None,  # cuda_graphs.DecodeGraphs when graphs are on
+    ) -> None:
+        self.model = model
+        self.backend = backend
+        self.encoder_cache = encoder_cache
+        self.block_size = block_size
+        self.vocab_size = vocab_size
+        self.device = device
+        self.dtype = dtype
+        self.decode_graphs = decode_graphs
+        self.num_graph_steps = 0
+        self.num_eager_steps = 0
+
+    @torch.inference_mode()
+    def execute(self, out: SchedulerOutput) -> dict[str, SampledToken]:
+        self._encode(out.encoder_items)
+        host = build_host_inputs(out, self.block_size)
+        logits = None
+        if self.decode_graphs is not None and not host.mm_slices:
+            logits = self.decode_graphs.run(host)
+        if logits is not None:
+            self.num_graph_steps += 1
+        else:
+            self.num_eager_steps += 1
+            inputs = to_device(host, self.block_size, self.device, self.encoder_cache)
+            self.backend.begin_step(inputs.metadata)
+            hidden = self.model.forward(
+                inputs.input_ids, inputs.positions, self.backend, inputs.mm_rows, inputs.mm_embeds
+            )
+            logits = self.model.compute_logits(hidden[inputs.logits_rows]) if len(host.logits_rows) else None
+        if not host.sampling_requests:
+            return {}
+        batch = build_sampling_batch(host.sampling_requests, self.vocab_size, self.device)
+        tokens = sample(logits, batch)
+        return {request.request_id: token for request, token in zip(host.sampling_requests, tokens, strict=True)}
+
+    def _encode(self, items: list[MultimodalInput]) -> None:
+        """Run the vision tower on each new item; a failing item fails only the requests carrying it."""
+        failed: dict[str, str] = {}
+        for item in items:
+            try:
+                pixels = item.pixel_values.to(self.device, non_blocking=True)
+                if pixels.is_floating_point():
+                    pixels = pixels.to(self.dtype)
+                grid = torch.tensor([item.grid_thw], dtype=torch.int64, device=self.device)
+                modality = "video" if item.modality is Modality.VIDEO else "image"
+                embeds = self.model.encode_vision(pixels, grid, modality)
+                self.encoder_cache.put(item.content_hash, embeds)
+            except (RuntimeError, ValueError) as exc:
+                logger.warning("vision encoder failed on %s: %s", item.content_hash, exc)
+                failed[item.content_hash] = f"the vision encoder rejected an {item.modality.value}: {exc}"
+        if failed:
+            raise EncoderError(set(failed), "; ".join(sorted(set(failed.values()))))
