@@ -1,0 +1,183 @@
+"""Sparse prefill attention (KV-block-major and query-major) and its CSR inversion against the fp32
+reference, on CPU under the Triton interpreter (float32 and float16; see test_prefill_index)."""
+
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")  # before any kernel module is imported
+
+import pytest
+import torch
+
+from m3stack.engine.msa import reference
+from m3stack.engine.msa.prefill_attention import sparse_prefill
+from m3stack.engine.msa.prefill_common import PrefillTuning
+from m3stack.engine.msa.prefill_csr import build_block_queries
+from m3stack.engine.msa.prefill_plan import global_blocks, token_requests
+from tests.engine.msa.prefill_support import PagedBatch, paged_batch
+
+BLOCK = 16
+KV_HEADS = 2
+GROUP = 2
+HEAD_DIM = 16
+TOPK = 4
+SCALE = HEAD_DIM**-0.5
+# Full prefill not a multiple of the block, prefix + chunk starting and ending mid-block, one token.
+REQUESTS = [(52, 52), (83, 13), (40, 1)]
+# Small query tiles and work items so the loops over tiles and the split of hot blocks both run.
+TUNING = PrefillTuning(tile_tokens=8, queries_per_item=16)
+
+
+def _batch(dtype: torch.dtype, seed: int) -> tuple[PagedBatch, torch.Tensor, torch.Tensor]:
+    """A batch, its queries and a selection from the reference indexer."""
+    generator = torch.Generator().manual_seed(seed)
+    batch = paged_batch(
+        REQUESTS, num_kv_heads=KV_HEADS, head_dim=HEAD_DIM, index_dim=16, block_size=BLOCK, dtype=dtype,
+        device="cpu", generator=generator,
+    )  # fmt: skip
+    num_tokens = batch.metadata.num_tokens
+    q = torch.randn(num_tokens, KV_HEADS * GROUP, HEAD_DIM, generator=generator).to(dtype)
+    index_q = torch.randn(num_tokens, KV_HEADS, 16, generator=generator).to(dtype)
+    selection = torch.cat(
+        [
+            reference.index_block_topk(
+                index_q[start:stop], batch.index_keys[r], batch.request_positions(r), BLOCK, TOPK, 1
+            )
+            for r, (start, stop) in enumerate(batch.token_ranges)
+        ],
+        dim=1,
+    ).to(torch.int32)
+    return batch, q, selection
+
+
+@pytest.fixture(scope="module")
+def cases() -> dict[torch.dtype, tuple[PagedBatch, torch.Tensor, torch.Tensor]]:
+    return {dtype: _batch(dtype, seed=11) for dtype in (torch.float32, torch.float16)}
+
+
+def _reference(batch: PagedBatch, q: torch.Tensor, selection: torch.Tensor) -> torch.Tensor:
+    return torch.cat(
+        [
+            reference.sparse_attention(
+                q[start:stop], batch.keys[r], batch.values[r], batch.request_positions(r), selection[:, start:stop],
+                BLOCK, SCALE,
+            )
+            for r, (start, stop) in enumerate(batch.token_ranges)
+        ]
+    )  # fmt: skip
+
+
+def _assert_close(out: torch.Tensor, expected: torch.Tensor) -> None:
+    assert torch.isfinite(out).all()
+    tolerance = 1e-5 if out.dtype == torch.float32 else 2e-3
+    torch.testing.assert_close(out.float(), expected, atol=tolerance, rtol=tolerance)
+
+
+@pytest.mark.parametrize(
+    ("method", "dtype", "workspace_tokens"),
+    [
+        ("block_major", torch.float32, None),
+        ("block_major", torch.float16, None),
+        ("block_major", torch.float32, 20),
+        ("query_major", torch.float16, None),
+    ],
+    ids=["block-major-fp32", "block-major-fp16", "block-major-chunked", "query-major-fp16"],
+)
+def test_matches_reference(
+    cases: dict[torch.dtype, tuple[PagedBatch, torch.Tensor, torch.Tensor]],
+    method: str,
+    dtype: torch.dtype,
+    workspace_tokens: int | None,
+) -> None:
+    batch, q, selection = cases[dtype]
+    kwargs = {}
+    if workspace_tokens:  # room for the partials of 20 tokens: the 66 tokens run in 4 chunks
+        kwargs["workspace_bytes"] = workspace_tokens * KV_HEADS * GROUP * TOPK * (HEAD_DIM * q.dtype.itemsize + 4)
+    out = sparse_prefill(
+        q, batch.key_cache, batch.value_cache, selection, batch.metadata, SCALE, method, tuning=TUNING, **kwargs
+    )
+    _assert_close(out, _reference(batch, q, selection))
+
+
+@pytest.mark.parametrize("method", ["block_major", "query_major"])
+def test_arbitrary_selections(method: str) -> None:
+    """Unordered rows with -1 holes, future blocks (ignored like masked keys) and a sink block every
+    query picks (one bucket split over several work items)."""
+    batch, q, _ = _batch(torch.float32, seed=5)
+    generator = torch.Generator().manual_seed(6)
+    positions = batch.metadata.positions
+    q_block = (positions // BLOCK).to(torch.int32)
+    random_blocks = (
+        torch.rand(KV_HEADS, len(positions), TOPK, generator=generator) * (q_block + 2)[None, :, None]
+    ).int()
+    selection = torch.where(torch.rand(random_blocks.shape, generator=generator) < 0.25, -1, random_blocks)
+    selection[:, :, 0] = 0  # the sink
+    selection[:, :, 1] = torch.where(q_block > 0, q_block, -1)[None]  # the local block, not last
+    # Drop repeats inside a row (a selection never repeats a block).
+    for head in range(KV_HEADS):
+        for token in range(len(positions)):
+            seen = set()
+            for slot in range(TOPK):
+                block = int(selection[head, token, slot])
+                if block in seen:
+                    selection[head, token, slot] = -1
+                seen.add(block)
+    out = sparse_prefill(q, batch.key_cache, batch.value_cache, selection, batch.metadata, SCALE, method, tuning=TUNING)
+    _assert_close(out, _reference(batch, q, selection))
+
+
+def test_block_queries_invert_the_selection() -> None:
+    """The CSR lists exactly the (token, slot) pairs that picked each (chunk, head, block) bucket."""
+    batch, _, selection = _batch(torch.float32, seed=2)
+    metadata = batch.metadata
+    blocks = global_blocks(metadata)
+    chunk_tokens, per_item = 30, 8
+    csr = build_block_queries(
+        selection, metadata.positions, token_requests(metadata), blocks, BLOCK, chunk_tokens, per_item
+    )
+    expected: dict[int, set[int]] = {}
+    request_of = token_requests(metadata).tolist()
+    for head in range(KV_HEADS):
+        for token in range(metadata.num_tokens):
+            for slot in range(TOPK):
+                block = int(selection[head, token, slot])
+                if block < 0:
+                    continue
+                chunk = token // chunk_tokens
+                bucket = (chunk * KV_HEADS + head) * blocks.count + int(blocks.first[request_of[token]]) + block
+                expected.setdefault(bucket, set()).add((token % chunk_tokens) * TOPK + slot)
+    row_ptr = csr.row_ptr.tolist()
+    got = {
+        bucket: set(csr.entries[row_ptr[bucket] : row_ptr[bucket + 1]].tolist())
+        for bucket in range(len(row_ptr) - 1)
+        if row_ptr[bucket + 1] > row_ptr[bucket]
+    }
+    assert got == expected
+    # Work items tile every bucket in runs of at most per_item entries, chunk by chunk.
+    items = csr.chunk_items.tolist()
+    assert items[0] == 0 and items[-1] == sum(-(-len(v) // per_item) for v in expected.values())
+    starts = sorted(zip(csr.item_bucket[: items[-1]].tolist(), csr.item_start[: items[-1]].tolist(), strict=True))
+    assert starts == sorted(
+        (bucket, row_ptr[bucket] + i * per_item)
+        for bucket, v in expected.items()
+        for i in range(-(-len(v) // per_item))
+    )
+    assert (csr.item_bucket[items[-1] :] == -1).all()
+
+
+def test_bad_inputs_are_rejected() -> None:
+    batch, q, selection = _batch(torch.float32, seed=1)
+    k, v, metadata = batch.key_cache, batch.value_cache, batch.metadata
+    with pytest.raises(ValueError, match="method"):
+        sparse_prefill(q, k, v, selection, metadata, SCALE, "dense")
+    with pytest.raises(ValueError, match="selection"):
+        sparse_prefill(q, k, v, selection[:1], metadata, SCALE)
+    with pytest.raises(ValueError, match="selection"):
+        sparse_prefill(q, k, v, selection.float(), metadata, SCALE)
+    with pytest.raises(ValueError, match="multiple"):
+        sparse_prefill(q[:, :3], k, v, selection, metadata, SCALE)
+    with pytest.raises(ValueError, match="head dim"):
+        sparse_prefill(q[..., :8], k, v, selection, metadata, SCALE)
+    with pytest.raises(ValueError, match="dtype"):
+        sparse_prefill(q.half(), k, v, selection, metadata, SCALE)
+    with pytest.raises(ValueError, match="tokens"):
+        sparse_prefill(q[:-1], k, v, selection[:, :-1], metadata, SCALE)
