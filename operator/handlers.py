@@ -79,9 +79,9 @@ def build_registry(reconciler: Reconciler) -> kopf.OperatorRegistry:
         # The same credentials as the Cluster client: in-cluster service account, else KUBECONFIG.
         return kopf.login_via_client(**kwargs)
 
-    @kopf.on.resume(*m3deployments, registry=registry)
-    @kopf.on.create(*m3deployments, registry=registry)
-    @kopf.on.update(*m3deployments, registry=registry)
+    @kopf.on.resume(*m3deployments, backoff=RETRY_DELAY_SECONDS, registry=registry)
+    @kopf.on.create(*m3deployments, backoff=RETRY_DELAY_SECONDS, registry=registry)
+    @kopf.on.update(*m3deployments, backoff=RETRY_DELAY_SECONDS, registry=registry)
     def reconcile_m3deployment(body: kopf.Body, **_: Any) -> None:
         try:
             reconciler.reconcile(plain(body))

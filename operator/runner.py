@@ -46,9 +46,12 @@ def api_client() -> k8s.ApiClient:
 
 
 def _list_m3deployments(cluster: Cluster, namespaces: Sequence[str]) -> list[dict]:
-    if not namespaces:
-        return cluster.list(M3DEPLOYMENT, None)
-    return [body for namespace in namespaces for body in cluster.list(M3DEPLOYMENT, namespace)]
+    scopes: Sequence[str | None] = namespaces or [None]
+    bodies = [body for namespace in scopes for body in cluster.list(M3DEPLOYMENT, namespace)]
+    for body in bodies:  # list items may leave out their type; owner references need it
+        body.setdefault("apiVersion", M3DEPLOYMENT.api_version)
+        body.setdefault("kind", M3DEPLOYMENT.kind)
+    return bodies
 
 
 async def drift_loop(
@@ -59,8 +62,8 @@ async def drift_loop(
         await asyncio.sleep(interval)
         try:
             bodies = await loop.run_in_executor(pool, _list_m3deployments, reconciler.cluster, namespaces)
-        except ApiError as error:
-            logger.warning("drift check: cannot list M3Deployments: %s", error)
+        except Exception:  # the loop must outlive any one failure (API down, a bad object)
+            logger.exception("drift check: cannot list M3Deployments")
             continue
         for body in bodies:
             try:
@@ -68,6 +71,9 @@ async def drift_loop(
             except ApiError as error:
                 meta = body["metadata"]
                 logger.warning("drift check of %s/%s failed: %s", meta["namespace"], meta["name"], error)
+            except Exception:
+                meta = body["metadata"]
+                logger.exception("drift check of %s/%s failed", meta["namespace"], meta["name"])
 
 
 async def serve(options: OperatorOptions) -> None:
