@@ -167,13 +167,16 @@ class Cluster:
             if error.status not in (404, 409):
                 raise
 
-    def patch_status(self, namespace: str, name: str, status: Mapping[str, Any]) -> None:
+    def apply_status(self, namespace: str, name: str, status: Mapping[str, Any]) -> None:
+        """Server-side apply to the status subresource: the fields and conditions (a list keyed by
+        type) named here become this manager's; those of other writers stay as they are."""
+        body = {"apiVersion": API_VERSION, "kind": KIND, "metadata": {"name": name, "namespace": namespace}}
         self._request(
             "PATCH",
             _path(M3DEPLOYMENT, namespace, name, "status"),
-            query={"fieldManager": self.field_manager},
-            body={"status": status},
-            content_type="application/merge-patch+json",
+            query={"fieldManager": self.field_manager, "force": "true"},
+            body={**body, "status": status},
+            content_type="application/apply-patch+yaml",
         )
 
     def post_event(self, owner: Mapping[str, Any], type_: str, reason: str, message: str, now: str) -> None:

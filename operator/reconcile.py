@@ -168,7 +168,7 @@ class Reconciler:
             m3d, self._observe(m3d, reconcile_error), previous, observed_generation=observed_generation, now=now
         )
         if status_changed(status, previous):
-            self.cluster.patch_status(m3d.namespace, m3d.name, status)
+            self.cluster.apply_status(m3d.namespace, m3d.name, status)
         for transition in transitions:
             self.cluster.post_event(
                 body,

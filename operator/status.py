@@ -3,6 +3,10 @@
 Pure: the caller passes the observed objects, the previous status and the time.  Conditions keep
 their lastTransitionTime while their status stays; a change of status (or of Degraded's reason) is
 a ``Transition`` the caller turns into an Event.
+
+The result holds only what this module owns, and the caller server-side applies it to the status
+subresource: other writers (the engine autoscaler: ``status.autoscaling`` and the
+``AutoscalingActive`` condition while a mode is set) keep their fields and conditions untouched.
 """
 
 from collections.abc import Iterable, Mapping, Sequence
@@ -43,7 +47,6 @@ ROLLOUT_COMPLETE = "RolloutComplete"
 RECONCILE_FAILED = "ReconcileFailed"
 AS_EXPECTED = "AsExpected"
 AUTOSCALING_DISABLED = "Disabled"
-AUTOSCALER_NOT_REPORTING = "AutoscalerNotReporting"
 
 # Problems that waiting will not fix, most telling first: they make the resource Degraded.
 PERSISTENT_PROBLEMS = (INSUFFICIENT_CAPACITY, IMAGE_PULL_BACK_OFF, CRASH_LOOP_BACK_OFF, CONFIG_ERROR)
@@ -56,6 +59,7 @@ _WAITING_REASONS = {
 }
 # Conditions whose changes become Events (the others change with every rollout).
 EVENT_CONDITIONS = (READY, DEGRADED)
+OWNED_CONDITIONS = (READY, GATEWAY_READY, ENGINES_READY, PROGRESSING, DEGRADED)
 
 
 @dataclass(frozen=True)
@@ -170,20 +174,18 @@ def _condition(type_: str, ok: bool, reason: str, message: str) -> dict[str, str
     return {"type": type_, "status": "True" if ok else "False", "reason": reason, "message": message}
 
 
-def _autoscaling_condition(m3d: M3Deployment, previous: Mapping[str, Mapping[str, Any]]) -> dict[str, Any]:
-    """Disabled unless a mode is set; then the autoscaler owns the condition and only a placeholder
-    is written until it reports."""
-    mode = m3d.spec.engine_autoscaling.mode
-    if mode == "None":
-        return _condition(AUTOSCALING_ACTIVE, False, AUTOSCALING_DISABLED, "autoscaling.engine.mode is None")
-    if AUTOSCALING_ACTIVE in previous and previous[AUTOSCALING_ACTIVE].get("reason") != AUTOSCALING_DISABLED:
-        return dict(previous[AUTOSCALING_ACTIVE])
-    return _condition(
-        AUTOSCALING_ACTIVE,
-        False,
-        AUTOSCALER_NOT_REPORTING,
-        f"autoscaling.engine.mode is {mode}: no autoscaler has reported; engines stay at spec.engine.replicas",
-    )
+def _autoscaling_condition(m3d: M3Deployment) -> list[dict[str, str]]:
+    """AutoscalingActive=False/Disabled while no mode is set; with a mode the autoscaler writes it."""
+    if m3d.spec.engine_autoscaling.mode != "None":
+        return []
+    return [_condition(AUTOSCALING_ACTIVE, False, AUTOSCALING_DISABLED, "autoscaling.engine.mode is None")]
+
+
+def _owned(condition: Mapping[str, Any]) -> bool:
+    """Whether this module wrote the condition (AutoscalingActive only in its Disabled form)."""
+    if condition.get("type") == AUTOSCALING_ACTIVE:
+        return condition.get("reason") == AUTOSCALING_DISABLED
+    return condition.get("type") in OWNED_CONDITIONS
 
 
 def _component_status(m3d: M3Deployment, component: str, health: ComponentHealth) -> dict[str, Any]:
@@ -227,7 +229,7 @@ def compute_status(
         _condition(GATEWAY_READY, gateways.ready, gateways.reason, gateways.message),
         progressing,
         degraded,
-        _autoscaling_condition(m3d, previous_conditions),
+        *_autoscaling_condition(m3d),
     ]
     conditions, transitions = _stamp(fresh, previous_conditions, observed_generation, now)
     status = {
@@ -287,12 +289,16 @@ def _stamp(
             transitions.append(
                 Transition(condition["type"], condition["status"], condition["reason"], condition["message"])
             )
-    # Conditions of other writers (none today) are kept as they are.
-    written = {condition["type"] for condition in fresh}
-    kept = [dict(condition) for type_, condition in previous.items() if type_ not in written]
-    return conditions + kept, transitions
+    return conditions, transitions
 
 
 def status_changed(new: Mapping[str, Any], current: Mapping[str, Any]) -> bool:
-    """Whether patching ``new`` over ``current`` would change anything."""
-    return any(current.get(key) != value for key, value in new.items())
+    """Whether applying ``new`` would change ``current`` (ignoring what other writers own)."""
+    if any(current.get(key) != value for key, value in new.items() if key != "conditions"):
+        return True
+    ours = [condition for condition in current.get("conditions", []) if _owned(condition)]
+    return sorted(ours, key=_by_type) != sorted(new.get("conditions", []), key=_by_type)
+
+
+def _by_type(condition: Mapping[str, Any]) -> str:
+    return str(condition.get("type"))

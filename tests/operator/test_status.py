@@ -234,25 +234,20 @@ def test_transition_times_move_only_when_a_status_flips(make_m3d):
     assert [(t.type, t.status, t.healthy) for t in transitions] == [("Ready", "False", False)]
 
 
-def test_the_autoscalers_condition_is_kept_and_other_writers_conditions_survive(make_m3d):
-    reported = {
-        "type": "AutoscalingActive",
-        "status": "True",
-        "reason": "Scaling",
-        "message": "3 engines",
-        "lastTransitionTime": T0,
-    }
-    foreign = {"type": "RoutesReady", "status": "True", "reason": "Ok", "message": "", "lastTransitionTime": T0}
-    previous = {"conditions": [reported, foreign]}
+def test_other_writers_conditions_are_neither_written_nor_compared(make_m3d):
+    """The autoscaler applies AutoscalingActive itself (its own field manager) while a mode is set."""
+    ready = [deployment("engine", 1, 1), deployment("gateway", 2, 2)]
+    reported = {"type": "AutoscalingActive", "status": "True", "reason": "Scaling", "message": "3 engines"}
     builtin = make_m3d({"autoscaling": {"engine": {"mode": "Builtin"}}})
-    status, _ = compute(builtin, [deployment("engine", 1, 1), deployment("gateway", 2, 2)], previous=previous)
-    found = conditions(status)
-    assert found["AutoscalingActive"]["reason"] == "Scaling"
-    assert found["RoutesReady"]["reason"] == "Ok"
-    fresh, _ = compute(builtin, [deployment("engine", 1, 1), deployment("gateway", 2, 2)])
-    assert conditions(fresh)["AutoscalingActive"]["reason"] == "AutoscalerNotReporting"
-    disabled, _ = compute(make_m3d(), [deployment("engine", 1, 1), deployment("gateway", 2, 2)], previous=previous)
+    status, _ = compute(builtin, ready)
+    assert "AutoscalingActive" not in conditions(status)
+    with_autoscaler = {**status, "conditions": [*status["conditions"], reported]}
+    assert not status_changed(status, with_autoscaler)
+    disabled, _ = compute(make_m3d(), ready, previous=with_autoscaler)
     assert conditions(disabled)["AutoscalingActive"]["reason"] == "Disabled"
+    assert status_changed(disabled, with_autoscaler)
+    # Switching a mode on drops the Disabled condition this module wrote.
+    assert status_changed(status, disabled)
 
 
 def test_pods_are_read_only_when_something_is_not_ready(make_m3d):
