@@ -1,0 +1,92 @@
+"""Videos encoded with PyAV: same sampled frames, grids, tokens and patches as MiniMaxM3VLVideoProcessor."""
+
+import functools
+
+import numpy as np
+import pytest
+
+from m3stack.gateway.multimodal import video as video_codec
+from m3stack.gateway.multimodal.resize import ResizeBackend
+
+from .conftest import (
+    assert_within_reference_tolerance,
+    m3_preprocessor,
+    reference_decode_video,
+    reference_video_processor,
+    run_reference_video,
+)
+from .media_factory import encode_video
+
+# name: (width, height, frames, fps, codec, container, extra encode options)
+CASES = {
+    "h264-30fps": (160, 96, 120, 30, "libx264", "mp4", {}),
+    "h264-24fps-odd-frames": (150, 100, 77, 24, "libx264", "mp4", {}),
+    "h264-60fps-short-gop": (128, 72, 150, 60, "libx264", "mp4", {"gop": 8}),
+    "h264-vfr": (160, 96, 90, 30, "libx264", "mp4", {"variable_rate": True}),
+    "h264-rotated-90": (160, 96, 64, 30, "libx264", "mp4", {"rotation": 90}),
+    "h264-rotated-270": (96, 160, 64, 30, "libx264", "mp4", {"rotation": 270}),
+    "hevc": (160, 96, 60, 30, "libx265", "mp4", {}),
+    "mpeg4": (160, 96, 75, 25, "mpeg4", "mp4", {}),
+    "vp9-webm": (160, 96, 60, 30, "libvpx-vp9", "webm", {}),
+    "av1": (160, 96, 48, 24, "libsvtav1", "mp4", {}),
+}
+
+
+@functools.cache
+def _encoded(case: str) -> bytes:
+    width, height, frames, fps, codec, container, extra = CASES[case]
+    return encode_video(width, height, frames, fps, codec, container=container, seed=len(case), **extra)
+
+
+@functools.cache
+def _reference_frames(case: str):
+    return reference_decode_video(_encoded(case))
+
+
+@pytest.mark.parametrize("backend", [ResizeBackend.TORCH, ResizeBackend.PILLOW])
+@pytest.mark.parametrize("case", list(CASES))
+def test_video_matches_reference(case, backend):
+    data = _encoded(case)
+    # 4 frames per second so these short clips sample enough frames to span several vision segments.
+    preprocessor = m3_preprocessor(backend, fps=4.0)
+    reference = reference_video_processor(fps=4.0)
+    decoded = _reference_frames(case)
+
+    probe = video_codec.probe_video(data, max_frame_pixels=10**7, max_frames=10**5)
+    assert probe.frame_count == len(decoded.frames)
+    assert probe.fps == pytest.approx(decoded.fps)
+    plan = preprocessor.plan_video(probe)
+
+    raw = run_reference_video(decoded, reference, raw=True)
+    assert list(plan.frame_indices) == list(raw["video_metadata"][0].frames_indices)
+    assert [list(g) for g in plan.grids] == raw["video_grid_thw"].tolist()
+    assert preprocessor.tokens_for(plan) == int(raw["video_grid_thw"].prod(axis=1).sum()) // 4
+
+    frames = video_codec.decode_frames(data, probe, plan.frame_indices)
+    np.testing.assert_array_equal(frames, decoded.frames[list(plan.frame_indices)])
+    ours = np.full((plan.num_patches, plan.patch_dim), 77, dtype=np.uint8)
+    preprocessor.run_video(frames, plan, ours)
+    difference = np.abs(ours.astype(np.int16) - raw["pixel_values_videos"].astype(np.int16))
+    if backend is ResizeBackend.TORCH:
+        assert difference.max() == 0
+    else:
+        assert difference.max() <= 2 and difference.mean() < 0.02, (difference.max(), difference.mean())
+    normalized = run_reference_video(decoded, reference, raw=False)["pixel_values_videos"]
+    assert_within_reference_tolerance(preprocessor.normalize(ours), normalized)
+
+
+def test_rotation_is_read_from_the_display_matrix():
+    probe = video_codec.probe_video(_encoded("h264-rotated-90"), max_frame_pixels=10**7, max_frames=10**5)
+    assert (probe.rotation, probe.display_size) == (90, (160, 96))
+
+
+def test_sparse_decode_seeks_and_walks_fewer_frames():
+    """With short GOPs the plan seeks between targets instead of decoding every frame."""
+    data = _encoded("h264-60fps-short-gop")
+    probe = video_codec.probe_video(data, max_frame_pixels=10**7, max_frames=10**5)
+    indices = [10, 70, 140]
+    segments = video_codec.plan_decode(probe, indices)
+    assert len(segments) == 3
+    assert video_codec.frames_to_decode(probe, segments) < 30
+    full = _reference_frames("h264-60fps-short-gop").frames
+    np.testing.assert_array_equal(video_codec.decode_frames(data, probe, indices), full[indices])
