@@ -55,35 +55,32 @@ def load_model(
 
 
 def scan_checkpoint(path: str | Path, config: M3Config) -> CheckpointScan:
+    """Check every tensor's name, shape and dtype against ``config`` from the file headers alone."""
     folder = Path(path)
     expected = {spec.name: spec for spec in checkpoint_tensors(config)}
-    files: dict[Path, list[CheckpointTensor]] = defaultdict(list)
+    found: dict[str, tuple[Path, tuple[int, ...], str]] = {}
     problems: dict[str, list[str]] = defaultdict(list)
     ignored: list[str] = []
-    seen: set[str] = set()
     for file in _shard_files(folder):
-        try:
-            with safe_open(str(file), framework="pt") as reader:
-                for name in reader.keys():  # noqa: SIM118 (a safetensors reader, not a dict)
-                    if name.startswith(IGNORED_PREFIXES):
-                        ignored.append(name)
-                        continue
-                    spec = expected.get(name)
-                    if spec is None:
-                        problems["unexpected"].append(name)
-                        continue
-                    header = reader.get_slice(name)
-                    shape, dtype = tuple(header.get_shape()), header.get_dtype()
-                    if shape != spec.shape:
-                        problems["mis-shaped"].append(f"{name} is {list(shape)}, expected {list(spec.shape)}")
-                    elif dtype not in FLOAT_DTYPES:
-                        problems["non-float"].append(f"{name} is {dtype}")
-                    else:
-                        seen.add(name)
-                        files[file].append(spec)
-        except SafetensorError as exc:
-            raise CheckpointError(f"{file}: not a readable safetensors file ({exc})") from None
-    problems["missing"] = [name for name in expected if name not in seen]
+        for name, shape, dtype in _headers(file):
+            if name.startswith(IGNORED_PREFIXES):
+                ignored.append(name)
+            elif name in found:
+                problems["duplicated"].append(f"{name} (in {found[name][0].name} and {file.name})")
+            else:
+                found[name] = (file, shape, dtype)
+    files: dict[Path, list[CheckpointTensor]] = defaultdict(list)
+    for name, (file, shape, dtype) in found.items():
+        spec = expected.get(name)
+        if spec is None:
+            problems["unexpected"].append(name)
+        elif shape != spec.shape:
+            problems["mis-shaped"].append(f"{name} is {list(shape)}, expected {list(spec.shape)}")
+        elif dtype not in FLOAT_DTYPES:
+            problems["non-float"].append(f"{name} is {dtype}")
+        else:
+            files[file].append(spec)
+    problems["missing"] = [name for name in expected if name not in found]
     report = [
         f"{len(names)} {kind} tensor(s): {', '.join(names[:MAX_LISTED])}" + (", ..." if len(names) > MAX_LISTED else "")
         for kind, names in problems.items()
@@ -94,6 +91,19 @@ def scan_checkpoint(path: str | Path, config: M3Config) -> CheckpointScan:
     if ignored:
         logger.info("ignoring %d tensors not used for serving (e.g. %s)", len(ignored), ignored[0])
     return CheckpointScan(files=dict(files), ignored=ignored)
+
+
+def _headers(file: Path) -> list[tuple[str, tuple[int, ...], str]]:
+    """(name, shape, safetensors dtype) of every tensor in ``file``, without reading tensor data."""
+    try:
+        with safe_open(str(file), framework="pt") as reader:
+            out = []
+            for name in reader.keys():  # noqa: SIM118 (a safetensors reader, not a dict)
+                header = reader.get_slice(name)
+                out.append((name, tuple(header.get_shape()), header.get_dtype()))
+            return out
+    except SafetensorError as exc:
+        raise CheckpointError(f"{file}: not a readable safetensors file ({exc})") from None
 
 
 def load_weights(model: M3ForServing, scan: CheckpointScan) -> None:

@@ -1,6 +1,7 @@
 """The embedded tiny checkpoint: loadable by transformers, deterministic, shared safely, tokenizer complete."""
 
 import hashlib
+import re
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -84,5 +85,5 @@ def test_init_tiny_refuses_a_non_empty_folder(tmp_path, caplog):
 
 @pytest.mark.parametrize("missing", ["config.json"])
 def test_load_config_names_a_missing_file(tmp_path, missing):
-    with pytest.raises(ValueError, match=missing):
+    with pytest.raises(ValueError, match=re.escape(missing)):
         load_config(tmp_path)
