@@ -223,7 +223,8 @@ def prefill_index_topk(
     if num_tokens == 0:
         return out
     heads_padded = triton.next_power_of_2(num_heads)
-    tile_tokens = tuning.tile_tokens or max(1, 128 // heads_padded)
+    # TILE * HP rows per program: 128 for M3 (32 tokens x 4 heads), at least 16 for tl.dot.
+    tile_tokens = max(tuning.tile_tokens or 128 // heads_padded, triton.cdiv(16, heads_padded))
     tiles = token_tiles(metadata, tile_tokens, device)
     max_blocks = tiles.max_last_position // block_size + 1
     num_splits = tuning.key_splits or default_key_splits(tiles.count, max_blocks, device)

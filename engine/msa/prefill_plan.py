@@ -51,6 +51,8 @@ def token_tiles(metadata: AttentionMetadata, tile_tokens: int, device: torch.dev
     last_position = metadata.seq_lens_cpu.to(torch.int64)[request] - (starts[request + 1] - end_row) - 1
     order = torch.argsort(last_position, descending=True, stable=True)
     table = torch.stack([request, first_row, end_row])[:, order].to(torch.int32)
+    if device.type == "cuda":
+        table = table.pin_memory()  # so the copy below is truly asynchronous
     return TokenTiles(table.to(device, non_blocking=True), count, int(last_position.max()))
 
 

@@ -1,0 +1,319 @@
+"""MSA prefill, one layer at M3 attention dims, on the GPU: the Triton indexer (block scores + top-K),
+KV-block-major and query-major sparse attention on the same selections, against dense causal flash
+attention (FlashInfer prefill and torch SDPA's flash backend; the faster is the peer) in the same run.
+
+One request prefills ``context`` tokens from scratch (T = context), pages shuffled over the pool,
+fresh random bf16 inputs.  Run (GPU machine, from the repository root):
+
+    python -m bench.msa_prefill [--out DIR] [--contexts 8192,32768,131072,262144,1048576]
+
+Writes ``<out or bench/results>/msa_prefill.json`` after every context (rows: ``context``,
+``indexer_ms``, ``block_major_ms``, ``query_major_ms``, ``msa_total_ms``, ``dense_ms`` and the
+details: CSR time, FlashInfer and SDPA times, achieved TFLOP/s, peak extra memory, the launch
+configs the sweep picked) and prints a markdown table last.  Targets (design/msa.md): MSA layer
+>= 8x faster than dense at 128K and growing with context; block-major >= 1.5x query-major at 128K.
+Dense runs up to 256K; beyond, ``dense_ms_extrapolated`` scales the 256K time by the causal
+(context^2) FLOPs.
+"""
+
+import argparse
+import logging
+import math
+import statistics
+import sys
+import time
+import traceback
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from bench.common import cuda_time_us, markdown_table, write_results
+from m3stack.engine.attention.metadata import AttentionMetadata
+from m3stack.engine.msa.prefill_attention import DEFAULT_WORKSPACE_BYTES, sparse_prefill
+from m3stack.engine.msa.prefill_block_major import chunk_tokens_for
+from m3stack.engine.msa.prefill_common import PrefillTuning
+from m3stack.engine.msa.prefill_csr import build_block_queries
+from m3stack.engine.msa.prefill_index import IndexTuning, prefill_index_topk
+from m3stack.engine.msa.prefill_plan import global_blocks, token_requests
+
+logger = logging.getLogger("bench.msa_prefill")
+
+# M3 attention dims (design/msa.md).
+Q_HEADS, KV_HEADS, HEAD_DIM, INDEX_DIM, BLOCK, TOPK, LOCAL = 64, 4, 128, 128, 128, 16, 1
+SCALE = HEAD_DIM**-0.5
+DENSE_MAX_CONTEXT = 262144
+SWEEP_CONTEXT = 131072
+# Candidate launch configs, swept once at SWEEP_CONTEXT; the fastest is used for every context.
+INDEX_CONFIGS = [
+    IndexTuning(tile_tokens=32, num_warps=8, num_stages=3),
+    IndexTuning(tile_tokens=32, num_warps=8, num_stages=2),
+    IndexTuning(tile_tokens=32, num_warps=4, num_stages=3),
+    IndexTuning(tile_tokens=16, num_warps=4, num_stages=3),
+]
+BLOCK_MAJOR_CONFIGS = [
+    PrefillTuning(tile_tokens=8, num_warps=8, num_stages=2),
+    PrefillTuning(tile_tokens=8, num_warps=8, num_stages=3),
+    PrefillTuning(tile_tokens=4, num_warps=4, num_stages=2),
+    PrefillTuning(tile_tokens=8, num_warps=4, num_stages=2),
+]
+
+
+def time_ms(fn: Callable[[], Any], max_seconds: float = 1.5) -> float:
+    """Median GPU time of ``fn``; long calls (> 50 ms) get 3 timed runs after one warm-up."""
+    fn()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    fn()
+    torch.cuda.synchronize()
+    once = time.perf_counter() - start
+    if once < 0.05:
+        return cuda_time_us(fn) / 1e3
+    runs = max(1, min(3, int(max_seconds / once)))
+    times = []
+    for _ in range(runs):
+        begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        begin.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(begin.elapsed_time(end))
+    return statistics.median(times)
+
+
+def peak_extra_mib(fn: Callable[[], Any]) -> float:
+    """Memory ``fn`` allocates above what was live before it (its output included), in MiB."""
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    fn()
+    torch.cuda.synchronize()
+    return (torch.cuda.max_memory_allocated() - before) / 2**20
+
+
+class Layer:
+    """One MSA layer's inputs for a single request prefilling ``context`` tokens."""
+
+    def __init__(self, context: int, seed: int, device: torch.device) -> None:
+        generator = torch.Generator(device=device).manual_seed(seed)
+        pages = math.ceil(context / BLOCK)
+
+        def randn(*shape: int) -> torch.Tensor:
+            return torch.randn(shape, generator=generator, device=device, dtype=torch.bfloat16)
+
+        self.q = randn(context, Q_HEADS, HEAD_DIM)
+        self.index_q = randn(context, KV_HEADS, INDEX_DIM)
+        self.key = randn(context, KV_HEADS, HEAD_DIM)
+        self.value = randn(context, KV_HEADS, HEAD_DIM)
+        index_key = randn(context, INDEX_DIM)
+        page_table = torch.randperm(pages, generator=generator, device=device).to(torch.int32)
+        positions = torch.arange(context, device=device)
+        page, offset = page_table[positions // BLOCK].long(), positions % BLOCK
+        self.key_cache = torch.zeros((pages, KV_HEADS, BLOCK, HEAD_DIM), dtype=torch.bfloat16, device=device)
+        self.value_cache = torch.zeros_like(self.key_cache)
+        self.index_key_cache = torch.zeros((pages, BLOCK, INDEX_DIM), dtype=torch.bfloat16, device=device)
+        self.key_cache[page, :, offset] = self.key
+        self.value_cache[page, :, offset] = self.value
+        self.index_key_cache[page, offset] = index_key
+        del index_key
+        self.metadata = AttentionMetadata(
+            block_size=BLOCK,
+            query_start_loc=torch.tensor([0, context], dtype=torch.int32, device=device),
+            seq_lens=torch.tensor([context], dtype=torch.int32, device=device),
+            positions=positions,
+            slot_mapping=page * BLOCK + offset,
+            page_table=page_table[None],
+            query_start_loc_cpu=torch.tensor([0, context], dtype=torch.int32),
+            seq_lens_cpu=torch.tensor([context], dtype=torch.int32),
+        )
+        self.selection: torch.Tensor | None = None
+
+    def index(self, tuning: IndexTuning | None) -> torch.Tensor:
+        return prefill_index_topk(self.index_q, self.index_key_cache, self.metadata, TOPK, LOCAL, tuning)
+
+    def attend(self, selection: torch.Tensor, method: str, tuning: PrefillTuning | None) -> torch.Tensor:
+        return sparse_prefill(
+            self.q, self.key_cache, self.value_cache, selection, self.metadata, SCALE, method, tuning=tuning
+        )
+
+    def csr(self, selection: torch.Tensor, tuning: PrefillTuning) -> None:
+        """The inversion alone, with the block-major defaults (16 x tile tokens per work item)."""
+        tile = tuning.tile_tokens or 8
+        chunk = min(len(self.q), chunk_tokens_for(Q_HEADS, TOPK, HEAD_DIM, self.q.dtype, DEFAULT_WORKSPACE_BYTES))
+        blocks = global_blocks(self.metadata)
+        build_block_queries(
+            selection, self.metadata.positions, token_requests(self.metadata), blocks, BLOCK, chunk,
+            tuning.queries_per_item or 16 * tile,
+        )  # fmt: skip
+
+    def attention_flops(self, selection: torch.Tensor) -> float:
+        """4 * D FLOPs per (query head, visible key of a selected block): QK^T and PV."""
+        positions = self.metadata.positions[None, :, None]
+        valid = (selection >= 0) & (selection <= positions // BLOCK)
+        visible = torch.clamp(positions - selection.long() * BLOCK + 1, 0, BLOCK)
+        keys = int(torch.where(valid, visible, 0).sum())
+        return 4.0 * HEAD_DIM * (Q_HEADS // KV_HEADS) * keys
+
+    def index_flops(self) -> float:
+        """2 * d FLOPs per (index head, key of each ranked candidate block): the causal block triangle."""
+        first_local = torch.clamp(self.metadata.positions // BLOCK - LOCAL + 1, min=0)
+        return 2.0 * INDEX_DIM * KV_HEADS * BLOCK * float(first_local.sum())
+
+
+def dense_flashinfer(layer: Layer) -> Callable[[], Any]:
+    import flashinfer
+
+    return lambda: flashinfer.single_prefill_with_kv_cache(layer.q, layer.key, layer.value, causal=True)
+
+
+def dense_sdpa(layer: Layer) -> Callable[[], Any]:
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    group = Q_HEADS // KV_HEADS
+    q = layer.q.transpose(0, 1)[None]
+    k = layer.key.repeat_interleave(group, dim=1).transpose(0, 1)[None]
+    v = layer.value.repeat_interleave(group, dim=1).transpose(0, 1)[None]
+
+    def run() -> torch.Tensor:
+        with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+            return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+    return run
+
+
+def attempt(row: dict[str, Any], key: str, fn: Callable[[], float]) -> float | None:
+    try:
+        value = fn()
+    except Exception as error:  # a failing case must not lose the others
+        logger.error("%s at context %s failed:\n%s", key, row["context"], traceback.format_exc())
+        row.setdefault("errors", {})[key] = f"{type(error).__name__}: {error}"[:500]
+        return None
+    row[key] = value
+    return value
+
+
+def sweep(layer: Layer) -> tuple[IndexTuning, PrefillTuning, list[dict[str, Any]]]:
+    """Time each candidate config on ``layer``; return the fastest of each kernel family."""
+    results: list[dict[str, Any]] = []
+    context = len(layer.q)
+
+    def fastest(kernel: str, configs: list, run: Callable[[Any], Any]) -> Any:
+        best, best_ms = configs[0], math.inf
+        for tuning in configs:
+            entry = {"kernel": kernel, "config": repr(tuning), "context": context}
+            ms = attempt(entry, "ms", lambda t=tuning: time_ms(lambda: run(t)))
+            results.append(entry)
+            if ms is not None and ms < best_ms:
+                best, best_ms = tuning, ms
+        return best
+
+    best_index = fastest("indexer", INDEX_CONFIGS, layer.index)
+    selection = layer.index(best_index)
+    best_attn = fastest("block_major", BLOCK_MAJOR_CONFIGS, lambda t: layer.attend(selection, "block_major", t))
+    for entry in results:
+        logger.info("sweep %s %s: %s ms", entry["kernel"], entry["config"], entry.get("ms"))
+    return best_index, best_attn, results
+
+
+def measure(layer: Layer, index_tuning: IndexTuning, attn_tuning: PrefillTuning, dense: bool) -> dict[str, Any]:
+    context = len(layer.q)
+    row: dict[str, Any] = {"context": context}
+    selection = layer.index(index_tuning)
+    torch.cuda.synchronize()
+    attempt(row, "indexer_ms", lambda: time_ms(lambda: layer.index(index_tuning)))
+    attempt(row, "csr_ms", lambda: time_ms(lambda: layer.csr(selection, attn_tuning)))
+    attempt(row, "block_major_ms", lambda: time_ms(lambda: layer.attend(selection, "block_major", attn_tuning)))
+    attempt(row, "query_major_ms", lambda: time_ms(lambda: layer.attend(selection, "query_major", attn_tuning)))
+    attempt(
+        row, "msa_total_ms",
+        lambda: time_ms(lambda: layer.attend(layer.index(index_tuning), "block_major", attn_tuning)),
+    )  # fmt: skip
+    attempt(row, "indexer_peak_mib", lambda: peak_extra_mib(lambda: layer.index(index_tuning)))
+    attempt(
+        row, "block_major_peak_mib", lambda: peak_extra_mib(lambda: layer.attend(selection, "block_major", attn_tuning))
+    )
+    flops = layer.attention_flops(selection)
+    for key in ("block_major", "query_major"):
+        if row.get(f"{key}_ms"):
+            row[f"{key}_tflops"] = flops / row[f"{key}_ms"] / 1e9
+    if row.get("indexer_ms"):
+        row["indexer_tflops"] = layer.index_flops() / row["indexer_ms"] / 1e9
+    if context <= 32768:  # the two attention methods agree on the same selection (bf16 rounding)
+        attempt(
+            row, "block_vs_query_max_abs_diff",
+            lambda: float((layer.attend(selection, "block_major", attn_tuning).float()
+                           - layer.attend(selection, "query_major", attn_tuning).float()).abs().max()),
+        )  # fmt: skip
+    if dense:
+        attempt(row, "flashinfer_ms", lambda: time_ms(dense_flashinfer(layer)))
+        attempt(row, "sdpa_flash_ms", lambda: time_ms(dense_sdpa(layer)))
+        candidates = [row[k] for k in ("flashinfer_ms", "sdpa_flash_ms") if row.get(k)]
+        row["dense_ms"] = min(candidates) if candidates else None
+    return row
+
+
+def finish_row(row: dict[str, Any], dense_reference: tuple[int, float] | None) -> None:
+    if row.get("dense_ms") is None and dense_reference:
+        ref_context, ref_ms = dense_reference
+        row["dense_ms_extrapolated"] = ref_ms * (row["context"] / ref_context) ** 2
+    dense = row.get("dense_ms") or row.get("dense_ms_extrapolated")
+    if dense and row.get("msa_total_ms"):
+        row["speedup_vs_dense"] = dense / row["msa_total_ms"]
+    if row.get("query_major_ms") and row.get("block_major_ms"):
+        row["block_vs_query_speedup"] = row["query_major_ms"] / row["block_major_ms"]
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, default=None, help="folder for msa_prefill.json (default bench/results)")
+    parser.add_argument("--contexts", default="8192,32768,131072,262144,1048576")
+    parser.add_argument("--budget-s", type=float, default=370.0, help="skip contexts once this much time has passed")
+    parser.add_argument("--no-sweep", action="store_true", help="use the default launch configs")
+    args = parser.parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    if not torch.cuda.is_available():
+        raise SystemExit("bench.msa_prefill needs a CUDA GPU")
+    started = time.monotonic()
+    contexts = [int(c) for c in args.contexts.split(",")]
+    rows: list[dict[str, Any]] = []
+    extra: dict[str, Any] = {"dims": dict(Hq=Q_HEADS, Hkv=KV_HEADS, D=HEAD_DIM, d=INDEX_DIM, B=BLOCK, K=TOPK)}
+    index_tuning, attn_tuning = IndexTuning(), PrefillTuning()
+    if not args.no_sweep and SWEEP_CONTEXT in contexts:
+        layer = Layer(SWEEP_CONTEXT, seed=0, device=torch.device("cuda"))
+        try:
+            index_tuning, attn_tuning, extra["sweep"] = sweep(layer)
+        except Exception:
+            logger.error("sweep failed, using defaults:\n%s", traceback.format_exc())
+        del layer
+    extra["index_tuning"], extra["attention_tuning"] = repr(index_tuning), repr(attn_tuning)
+    dense_reference = None
+    for context in contexts:
+        if time.monotonic() - started > args.budget_s:
+            rows.append({"context": context, "skipped": f"time budget {args.budget_s:.0f}s spent"})
+            continue
+        logger.info("context %d", context)
+        try:
+            layer = Layer(context, seed=context, device=torch.device("cuda"))
+            row = measure(layer, index_tuning, attn_tuning, dense=context <= DENSE_MAX_CONTEXT)
+        except Exception as error:
+            logger.error("context %d failed:\n%s", context, traceback.format_exc())
+            row = {"context": context, "errors": {"setup": f"{type(error).__name__}: {error}"[:500]}}
+        layer = None
+        torch.cuda.empty_cache()
+        if row.get("dense_ms"):
+            dense_reference = (context, row["dense_ms"])
+        finish_row(row, dense_reference)
+        rows.append(row)
+        logger.info("%s", row)
+        write_results("msa_prefill", rows, extra, out_dir=args.out)
+    write_results("msa_prefill", rows, extra, out_dir=args.out)
+    columns = ["context", "indexer_ms", "csr_ms", "block_major_ms", "query_major_ms", "msa_total_ms", "dense_ms",
+               "dense_ms_extrapolated", "speedup_vs_dense", "block_vs_query_speedup", "block_major_tflops",
+               "indexer_tflops"]  # fmt: skip
+    sys.stdout.write(markdown_table(rows, columns) + "\n")  # the table last: the GPU run's reply shows the tail
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
