@@ -1,0 +1,96 @@
+"""The Triton decode indexer (scan + merge) against the fp32 reference, on CPU under the interpreter.
+
+(The interpreter's ``tl.dot`` mishandles bfloat16, so CPU runs use float32 and float16; bfloat16
+runs in the GPU suite, tests/gpu/test_msa_decode.py.)
+"""
+
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")  # before any kernel module is imported
+
+import pytest
+import torch
+
+from m3stack.engine.msa import reference
+from m3stack.engine.msa.decode_index import ScanConfig, decode_index_topk
+from m3stack.engine.msa.decode_plan import SparseDecodeShape, plan_sparse_decode
+from tests.engine.msa.prefill_support import PagedBatch, assert_selection_matches, paged_batch
+
+BLOCK, HKV, INDEX_DIM = 16, 2, 16
+# Ragged decode batch: long and short contexts, exact block multiples and tails, a request still
+# inside its first block, and requests with several new tokens (MTP) that straddle a block edge.
+REQUESTS = [(250, 1), (37, 1), (16, 1), (130, 3), (96, 2), (9, 1), (177, 4)]
+
+
+def make_batch(
+    dtype: torch.dtype, seed: int, requests: list[tuple[int, int]] = REQUESTS
+) -> tuple[PagedBatch, torch.Tensor]:
+    generator = torch.Generator().manual_seed(seed)
+    batch = paged_batch(requests, num_kv_heads=HKV, head_dim=16, index_dim=INDEX_DIM, block_size=BLOCK,
+                        dtype=dtype, device="cpu", generator=generator)  # fmt: skip
+    index_q = torch.randn(batch.metadata.num_tokens, HKV, INDEX_DIM, generator=generator).to(dtype)
+    return batch, index_q
+
+
+def shape_for(topk: int, local_blocks: int) -> SparseDecodeShape:
+    return SparseDecodeShape(num_q_heads=2 * HKV, num_kv_heads=HKV, head_dim=16, index_head_dim=INDEX_DIM,
+                             block_size=BLOCK, topk=topk, local_blocks=local_blocks)  # fmt: skip
+
+
+def check_against_reference(batch: PagedBatch, index_q: torch.Tensor, shape: SparseDecodeShape, splits: int | None,
+                            config: ScanConfig | None = None) -> None:  # fmt: skip
+    metadata = batch.metadata
+    plan = plan_sparse_decode(metadata, shape, torch.device("cpu"), scan_splits=splits)
+    plan.page_ids.fill_(-7)  # poison: every entry must be written
+    selected = decode_index_topk(index_q, batch.index_key_cache, metadata, plan, config)
+    assert selected.dtype == torch.int32 and selected.shape == (HKV, metadata.num_tokens, shape.topk)
+    tolerance = 0.0 if index_q.dtype == torch.float32 else 1e-5
+    for request, (start, stop) in enumerate(batch.token_ranges):
+        positions = batch.request_positions(request)
+        keys = batch.index_keys[request]
+        expected = reference.index_block_topk(index_q[start:stop], keys, positions, BLOCK, shape.topk,
+                                              shape.local_blocks)  # fmt: skip
+        scores = reference.block_scores(index_q[start:stop], keys, positions, BLOCK)
+        assert_selection_matches(selected[:, start:stop], expected, scores, shape.local_blocks, tolerance)
+    # The attention's page lists: row (t, h) holds the selected blocks' virtual pages in the same order.
+    assert not (plan.page_ids == -7).any()
+    for token in range(metadata.num_tokens):
+        request = int(plan.token_request[token])
+        for head in range(HKV):
+            row = token * HKV + head
+            pages = plan.page_ids[plan.row_indptr[row] : plan.row_indptr[row + 1]]
+            blocks = selected[head, token][selected[head, token] >= 0].long()
+            assert torch.equal(pages, metadata.page_table[request, blocks] * HKV + head)
+            assert int(plan.last_page_len[row]) == int(metadata.positions[token]) % BLOCK + 1
+
+
+@pytest.mark.parametrize(("dtype", "splits"), [(torch.float32, 1), (torch.float32, None), (torch.float16, 3)],
+                         ids=["fp32-one-split", "fp32-default-splits", "fp16-three-splits"])  # fmt: skip
+def test_selection_and_page_ids_match_reference(dtype: torch.dtype, splits: int | None) -> None:
+    batch, index_q = make_batch(dtype, seed=11 + (splits or 0))
+    check_against_reference(batch, index_q, shape_for(topk=4, local_blocks=1), splits)
+
+
+def test_two_local_blocks_wide_topk_and_two_pages_per_step() -> None:
+    batch, index_q = make_batch(torch.float32, seed=5)
+    config = ScanConfig(pages_per_iteration=2)
+    check_against_reference(batch, index_q, shape_for(topk=8, local_blocks=2), splits=2, config=config)
+
+
+def test_ties_go_to_the_lower_block_across_splits() -> None:
+    """Equal index keys make every block score equal: the lowest ids must win even when the winning
+    candidates come from different splits."""
+    batch, index_q = make_batch(torch.float32, seed=3, requests=[(300, 1), (200, 2)])
+    batch.index_key_cache.copy_(torch.ones_like(batch.index_key_cache))
+    for keys in batch.index_keys:
+        keys.copy_(torch.ones_like(keys))
+    check_against_reference(batch, index_q, shape_for(topk=6, local_blocks=1), splits=4)
+
+
+def test_too_many_tokens_per_request_are_refused() -> None:
+    batch, index_q = make_batch(torch.float32, seed=2, requests=[(200, 40)])
+    plan = plan_sparse_decode(batch.metadata, shape_for(4, 1), torch.device("cpu"))
+    with pytest.raises(ValueError, match="prefill indexer"):
+        decode_index_topk(index_q, batch.index_key_cache, batch.metadata, plan)
+    with pytest.raises(ValueError, match="index_q has shape"):
+        decode_index_topk(index_q[:, :1], batch.index_key_cache, batch.metadata, plan)
