@@ -20,3 +20,17 @@ def hf_greedy(model, input_ids: torch.Tensor, num_tokens: int, **multimodal) -> 
 def relative_error(ours: torch.Tensor, reference: torch.Tensor) -> float:
     """``max |ours - reference| / max |reference|``: elementwise ratios blow up on logits near zero."""
     return float((ours.float() - reference.float()).abs().max() / reference.float().abs().max())
+
+
+def token_errors(ours: torch.Tensor, reference: torch.Tensor) -> torch.Tensor:
+    """Per row (token): ``max |ours - reference|`` over the vocabulary, over ``max |reference|`` of all rows."""
+    return (ours.float() - reference.float()).abs().amax(dim=-1) / reference.float().abs().max()
+
+
+@torch.inference_mode()
+def oracle_agreement(model, prompt: torch.Tensor, tokens: list[int], **multimodal) -> float:
+    """Fraction of ``tokens`` (a greedy continuation of ``prompt``) that are ``model``'s argmax at their step,
+    teacher-forcing the continuation through ``model`` in one forward pass."""
+    sequence = torch.cat([prompt, torch.tensor(tokens[:-1], device=prompt.device)])
+    logits = model(input_ids=sequence[None], **multimodal).logits[0, prompt.shape[0] - 1 :]
+    return float((logits.argmax(dim=-1) == torch.tensor(tokens, device=prompt.device)).float().mean())
