@@ -15,7 +15,7 @@ from urllib.parse import unquote_to_bytes, urljoin, urlsplit
 
 import httpx
 
-from .address_guard import Resolver, resolve_allowed, system_resolver
+from .address_guard import IPAddress, Resolver, resolve_allowed, system_resolver
 from .errors import MediaError
 from .limits import MediaLimits
 
@@ -69,13 +69,7 @@ class MediaFetcher:
                 allow_private=self.limits.allow_private_networks,
                 resolver=self.resolver,
             )
-            request = self._pinned_request(url, host, str(addresses[0]))
-            try:
-                response = await self.client.send(request, stream=True)
-            except httpx.HTTPError as exc:
-                raise MediaError(
-                    f"fetching {_shown(url)} failed ({exc.__class__.__name__}: {exc})", "media_fetch_failed"
-                ) from None
+            response = await self._connect(url, host, addresses)
             try:
                 if response.status_code in REDIRECT_STATUSES and "location" in response.headers:
                     url = urljoin(url, response.headers["location"])
@@ -90,6 +84,22 @@ class MediaFetcher:
         raise MediaError(
             f"fetching {_shown(url)} took more than {self.limits.max_redirects} redirects", "media_fetch_failed"
         )
+
+    async def _connect(self, url: str, host: str, addresses: list[IPAddress]) -> httpx.Response:
+        """GET ``url`` from the first checked address that accepts a connection."""
+        for position, address in enumerate(addresses):
+            request = self._pinned_request(url, host, str(address))
+            try:
+                return await self.client.send(request, stream=True)
+            except httpx.ConnectError:
+                if position + 1 < len(addresses):
+                    continue
+                raise MediaError(f"cannot connect to the host of {_shown(url)}", "media_fetch_failed") from None
+            except httpx.HTTPError as exc:
+                raise MediaError(
+                    f"fetching {_shown(url)} failed ({exc.__class__.__name__})", "media_fetch_failed"
+                ) from None
+        raise MediaError(f"media host {host!r} has no addresses", "media_fetch_failed")
 
     def _pinned_request(self, url: str, host: str, address: str) -> httpx.Request:
         original = httpx.URL(url)
