@@ -4,7 +4,9 @@ Each call stores the step's new K/V (and index keys on MSA layers) into the page
 ``engine.msa.store.store_kv``, then, request by request, gathers the request's pages back into contiguous
 ``[S, ...]`` tensors and runs ``engine.msa.reference`` (dense causal GQA, or index block top-k + block-sparse
 attention).  Simple and exact, and slow by design: it is the "reference gather + query-major" path the
-optimized kernels are measured against.
+optimized kernels are measured against.  Query rows go through in slices sized so that one slice's score
+matrix (query heads x rows x context, float32) stays under ``SCORE_BUDGET_BYTES``, which keeps long prompts
+within memory on a GPU.
 """
 
 from dataclasses import dataclass
@@ -15,6 +17,8 @@ from m3stack.engine.attention.metadata import AttentionMetadata
 from m3stack.engine.kv_cache.tensors import LayerKVCache
 from m3stack.engine.msa.reference import dense_causal_attention, index_block_topk, sparse_attention
 from m3stack.engine.msa.store import store_kv
+
+SCORE_BUDGET_BYTES = 1 << 30
 
 
 @dataclass(frozen=True)
@@ -64,8 +68,9 @@ class ReferenceAttentionBackend:
         scale = q.shape[-1] ** -0.5
         for request in self._requests:
             keys, values = self._gather_kv(cache, request)
-            attended = dense_causal_attention(q[request.rows], keys, values, request.q_positions, scale)
-            out[request.rows] = attended.to(q.dtype)
+            for rows, local in _row_slices(request, q.shape[1]):
+                attended = dense_causal_attention(q[rows], keys, values, request.q_positions[local], scale)
+                out[rows] = attended.to(q.dtype)
         return out
 
     def sparse(
@@ -78,8 +83,6 @@ class ReferenceAttentionBackend:
         index_k: torch.Tensor,
     ) -> torch.Tensor:
         cache = self._store(layer, k, v, index_k)
-        if cache.index_key is None:
-            raise ValueError(f"layer {layer} has no index-key cache: the KV cache spec says it is not an MSA layer")
         block_size = cache.key.shape[2]
         out = torch.empty_like(q)
         scale = q.shape[-1] ** -0.5
@@ -109,3 +112,13 @@ class ReferenceAttentionBackend:
             return paged[request.pages].transpose(1, 2).flatten(0, 1)[: request.seq_len]
 
         return gather(cache.key), gather(cache.value)
+
+
+def _row_slices(request: _RequestView, num_heads: int) -> list[tuple[slice, slice]]:
+    """The request's query rows in slices (flat-batch rows, request-local rows) within the score budget."""
+    per_slice = max(1, SCORE_BUDGET_BYTES // (num_heads * request.seq_len * 4))
+    start, stop = request.rows.start, request.rows.stop
+    return [
+        (slice(first, min(first + per_slice, stop)), slice(first - start, min(first + per_slice, stop) - start))
+        for first in range(start, stop, per_slice)
+    ]
