@@ -1,4 +1,9 @@
-"""Run one inference engine: load a model, serve engine.proto over gRPC, metrics over HTTP."""
+"""Run one inference engine: load a model, serve engine.proto over gRPC, metrics and probes over HTTP.
+
+Logs one line starting with "m3stack engine ready" once it serves; GET /loaded on the metrics port
+answers 200 from then on.  SIGTERM (or Ctrl-C) drains: new requests get UNAVAILABLE, running ones
+finish within --drain-timeout, the rest end with finish reason ABORT.
+"""
 
 import argparse
 import logging
@@ -13,12 +18,102 @@ def add_arguments(opts: OptionGroup) -> None:
     opts.add(
         "--model", default="default", help="HF-layout M3 checkpoint folder, or 'default' for the embedded tiny model"
     )
+    opts.add("--served-model-name", default="", help="name reported by GetModelInfo (default: the folder name)")
     opts.add("--device", default="auto", choices=["auto", "cpu", "cuda"], help="where the model runs")
+    opts.add(
+        "--dtype",
+        default="auto",
+        choices=["auto", "bfloat16", "float32"],
+        help="weights and KV cache dtype; auto = bfloat16 on cuda, float32 on cpu",
+    )
     opts.add("--host", default="127.0.0.1", help="gRPC listen address")
     opts.add("--port", type=options.port, default=50051, help="gRPC port")
-    opts.add("--metrics-port", type=options.port, default=9400, help="HTTP port for /metrics and /loaded")
+    opts.add("--metrics-host", default="", help="HTTP listen address for /metrics and probes (default: --host)")
+    opts.add("--metrics-port", type=options.port, default=9400, help="HTTP port for /metrics, /loaded, /ready, /health")
+    opts.add("--max-num-seqs", type=options.positive_int, default=64, help="requests running at once")
+    opts.add(
+        "--max-num-batched-tokens",
+        type=options.positive_int,
+        default=4096,
+        help="token budget of one engine step (decodes plus prefill chunks)",
+    )
+    opts.add(
+        "--max-model-len",
+        type=options.positive_int,
+        default=None,
+        help="context limit per request, prompt plus output (default: the model's, capped by KV capacity)",
+    )
+    opts.add(
+        "--kv-cache-gb",
+        type=options.positive_float,
+        default=None,
+        help="KV cache size in GiB (default: --gpu-memory-utilization on cuda, 1 GiB on cpu)",
+    )
+    opts.add(
+        "--gpu-memory-utilization",
+        type=options.fraction,
+        default=0.9,
+        help="fraction of GPU memory for weights, activations and the KV cache when --kv-cache-gb is unset",
+    )
+    opts.add(
+        "--max-queue",
+        type=options.positive_int,
+        default=1024,
+        help="waiting requests before new ones get RESOURCE_EXHAUSTED",
+    )
+    opts.add(
+        "--drain-timeout",
+        type=options.non_negative_float,
+        default=30.0,
+        help="seconds running requests get to finish after SIGTERM before they are aborted",
+    )
+    opts.add(
+        "--max-message-mb",
+        type=options.positive_int,
+        default=256,
+        help="largest gRPC message accepted, in MiB (inline image/video tensors must fit)",
+    )
+    opts.add("--seed", type=options.non_negative_int, default=0, help="seed of unseeded sampling")
+    opts.flag("--disable-prefix-caching", help="never share KV blocks between requests")
+    opts.flag("--enforce-eager", help="no CUDA graphs for decode steps")
 
 
 def run(args: argparse.Namespace) -> int:
-    logger.error("the engine runtime is not implemented yet")
-    return 1
+    import asyncio
+
+    from m3stack.engine.runtime.config import EngineConfig, model_folder
+
+    if args.model != "default":  # fail fast, before the seconds torch takes to import
+        try:
+            model_folder(args.model)
+        except ValueError as exc:
+            logger.error("%s", exc)
+            return 1
+    from m3stack.engine.server.grpc_server import GrpcSettings
+    from m3stack.engine.server.serve import ServeSettings, serve
+
+    settings = ServeSettings(
+        engine=EngineConfig(
+            model=args.model,
+            served_model_name=args.served_model_name,
+            device=args.device,
+            dtype=args.dtype,
+            max_num_seqs=args.max_num_seqs,
+            max_num_batched_tokens=args.max_num_batched_tokens,
+            max_model_len=args.max_model_len,
+            kv_cache_gb=args.kv_cache_gb,
+            gpu_memory_utilization=args.gpu_memory_utilization,
+            max_queue=args.max_queue,
+            enable_prefix_caching=not args.disable_prefix_caching,
+            cuda_graphs=not args.enforce_eager,
+            seed=args.seed,
+        ),
+        grpc=GrpcSettings(host=args.host, port=args.port, max_message_bytes=args.max_message_mb * 2**20),
+        metrics_host=args.metrics_host or args.host,
+        metrics_port=args.metrics_port,
+        drain_timeout_s=args.drain_timeout,
+    )
+    try:
+        return asyncio.run(serve(settings))
+    except KeyboardInterrupt:
+        return 130

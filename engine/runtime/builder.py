@@ -17,8 +17,7 @@ from m3stack.engine.attention.reference import ReferenceAttentionBackend
 from m3stack.engine.kv_cache.tensors import KVCacheSpec, LayerKVCache, allocate_kv_cache
 from m3stack.engine.model.config import M3Config
 from m3stack.engine.model.loader import load_model
-from m3stack.engine.model.tiny import ensure_tiny_checkpoint
-from m3stack.engine.runtime.config import EngineConfig, ModelInfo
+from m3stack.engine.runtime.config import EngineConfig, ModelInfo, model_folder
 from m3stack.engine.runtime.encoder_cache import EncoderCache
 from m3stack.engine.runtime.engine_core import EngineCore
 from m3stack.engine.runtime.kv_cache_manager import KVCacheManager
@@ -44,15 +43,6 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     if name == "auto":
         return torch.bfloat16 if device.type == "cuda" else torch.float32
     return {"bfloat16": torch.bfloat16, "float32": torch.float32}[name]
-
-
-def model_folder(model: str) -> Path:
-    if model == "default":
-        return ensure_tiny_checkpoint()
-    folder = Path(model).expanduser()
-    if not folder.is_dir():
-        raise ValueError(f"--model {model!r} is not a folder (expected an HF-layout M3 checkpoint, or 'default')")
-    return folder
 
 
 def make_attention_backend(kv_caches: list[LayerKVCache], config: M3Config, device: torch.device) -> AttentionBackend:

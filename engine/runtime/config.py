@@ -1,6 +1,22 @@
-"""What the engine is asked to do (``EngineConfig``, from the CLI) and what it found (``ModelInfo``, from the model)."""
+"""What the engine is asked to do (``EngineConfig``, from the CLI) and what it found (``ModelInfo``, from the model).
+
+Nothing here imports torch, so the CLI can check its arguments before paying for that import.
+"""
 
 from dataclasses import dataclass
+from pathlib import Path
+
+
+def model_folder(model: str) -> Path:
+    """The checkpoint folder ``--model`` names; "default" is the tiny random-weight model (created on first use)."""
+    if model == "default":
+        from m3stack.engine.model.tiny import ensure_tiny_checkpoint
+
+        return ensure_tiny_checkpoint()
+    folder = Path(model).expanduser()
+    if not folder.is_dir():
+        raise ValueError(f"--model {model!r} is not a folder (expected an HF-layout M3 checkpoint, or 'default')")
+    return folder
 
 
 @dataclass(frozen=True)

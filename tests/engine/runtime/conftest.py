@@ -59,16 +59,7 @@ def new_image():
 
 
 @pytest.fixture
-def one_torch_thread():
-    """Tiny-model steps are dominated by thread hand-offs on a shared 2-core machine; one thread is much faster."""
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
-
-
-@pytest.fixture
-def build_core(tiny_model_dir, one_torch_thread):
+def build_core(tiny_model_dir):
     """An ``EngineCore`` on the tiny model, its KV cache poisoned with NaN so reading an unwritten slot shows."""
     from m3stack.engine.runtime.builder import build_engine_core
     from m3stack.engine.runtime.config import EngineConfig

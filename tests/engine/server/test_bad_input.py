@@ -1,0 +1,189 @@
+"""Bad requests get INVALID_ARGUMENT with a message saying what is wrong, and a request running meanwhile is untouched.
+
+Also: images over inline bytes and POSIX shared memory (uint8 and float), and that the engine
+unlinks every shared-memory segment it is handed, read or rejected.
+"""
+
+import os
+import threading
+import uuid
+from pathlib import Path
+
+import grpc
+import numpy as np
+import pytest
+
+from m3stack.engine.proto import engine_pb2 as pb
+
+GRID = (1, 4, 4)  # 16 patches -> 4 image tokens
+SHM = Path("/dev/shm")
+
+
+@pytest.fixture(scope="module")
+def info(server):
+    return server.core.info
+
+
+def _pixels(info, dtype=np.float32, patches: int = 16) -> np.ndarray:
+    rng = np.random.default_rng(1)
+    if dtype == np.uint8:
+        return rng.integers(0, 256, (patches, info.patch_dim), dtype=np.uint8)
+    return rng.standard_normal((patches, info.patch_dim)).astype(dtype)
+
+
+def _tensor(array: np.ndarray, dtype=pb.DTYPE_FLOAT32) -> pb.Tensor:
+    return pb.Tensor(shape=list(array.shape), dtype=dtype, inline_data=array.tobytes())
+
+
+def _image_request(info, request_id="img", *, item_changes=None, prompt=None) -> pb.GenerateRequest:
+    prompt = prompt if prompt is not None else [5, 6, *[info.image_token_id] * 4, 7, 8]
+    item = pb.MultimodalItem(
+        modality=pb.MODALITY_IMAGE,
+        pixel_values=_tensor(_pixels(info)),
+        grid_thw=list(GRID),
+        placeholders=[pb.PlaceholderRange(offset=2, length=4)],
+        content_hash=f"hash-{request_id}",
+    )
+    for key, value in (item_changes or {}).items():
+        if key == "placeholders":
+            del item.placeholders[:]
+            item.placeholders.extend(pb.PlaceholderRange(offset=o, length=n) for o, n in value)
+        elif key in ("grid_thw",):
+            del item.grid_thw[:]
+            item.grid_thw.extend(value)
+        elif key == "pixel_values":
+            item.pixel_values.CopyFrom(value)
+        else:
+            setattr(item, key, value)
+    return pb.GenerateRequest(
+        request_id=request_id,
+        input_ids=prompt,
+        mm_items=[item],
+        sampling=pb.SamplingParams(temperature=0.0, max_new_tokens=3),
+    )
+
+
+def _text_request(request_id="t", prompt=(1, 2, 3), **sampling) -> pb.GenerateRequest:
+    return pb.GenerateRequest(request_id=request_id, input_ids=list(prompt), sampling=pb.SamplingParams(**sampling))
+
+
+def _expect_invalid(server, request: pb.GenerateRequest, phrase: str) -> None:
+    with pytest.raises(grpc.RpcError) as failure:
+        list(server.stub.Generate(request, timeout=30))
+    assert failure.value.code() == grpc.StatusCode.INVALID_ARGUMENT, failure.value.details()
+    assert phrase in failure.value.details(), failure.value.details()
+
+
+@pytest.fixture
+def bystander(server):
+    """A long request that runs while the bad ones are refused; it must finish normally."""
+    request = _text_request("bystander", range(1, 30), temperature=0.0, max_new_tokens=30, ignore_eos=True)
+    results = []
+    call = server.stub.Generate(request, timeout=120)
+    next(call)
+    thread = threading.Thread(target=lambda: results.extend(call))
+    thread.start()
+    yield
+    thread.join(120)
+    assert results and results[-1].complete.finish_reason == pb.FINISH_REASON_LENGTH
+    assert results[-1].complete.completion_tokens == 30
+    server.wait_idle()
+
+
+TEXT_CASES = [
+    ({"prompt": (1, 10**6)}, {}, "outside the vocabulary"),
+    ({"prompt": ()}, {}, "input_ids is empty"),
+    ({"prompt": [1] * 600}, {}, "context limit is 512"),
+    ({"request_id": ""}, {}, "request_id must have"),
+    ({}, {"temperature": -1.0}, "temperature"),
+    ({}, {"temperature": float("nan")}, "temperature"),
+    ({}, {"top_p": 0.0}, "top_p"),
+    ({}, {"min_p": 1.5}, "min_p"),
+    ({}, {"top_logprobs": 21}, "top_logprobs"),
+    ({}, {"max_new_tokens": 0}, "max_new_tokens"),
+    ({}, {"max_new_tokens": 2, "min_new_tokens": 3}, "min_new_tokens"),
+    ({}, {"stop_token_ids": [10**7]}, "stop_token_ids"),
+]
+
+
+def test_bad_text_requests(server, bystander):
+    for request_fields, sampling, phrase in TEXT_CASES:
+        _expect_invalid(server, _text_request(**request_fields, **sampling), phrase)
+
+
+def _image_cases(info) -> list[tuple[dict, list[int] | None, str]]:
+    raw = _pixels(info)
+    image = info.image_token_id
+    return [
+        ({"modality": pb.MODALITY_UNSPECIFIED}, None, "modality is unspecified"),
+        ({"pixel_values": pb.Tensor(shape=[16, info.patch_dim], inline_data=raw.tobytes())}, None, "dtype"),
+        (
+            {"pixel_values": pb.Tensor(shape=[16, info.patch_dim], dtype=pb.DTYPE_FLOAT32, inline_data=b"x" * 10)},
+            None,
+            "inline_data has 10 bytes",
+        ),
+        ({"pixel_values": pb.Tensor(shape=[1 << 20, info.patch_dim], dtype=pb.DTYPE_FLOAT32)}, None, "over the"),
+        ({"pixel_values": pb.Tensor(shape=[0, 3], dtype=pb.DTYPE_FLOAT32)}, None, "positive sizes"),
+        ({"pixel_values": pb.Tensor(shape=[16, info.patch_dim], dtype=pb.DTYPE_FLOAT32)}, None, "no payload"),
+        ({"pixel_values": _tensor(np.full((16, info.patch_dim), np.nan, np.float32))}, None, "NaN"),
+        ({"pixel_values": _tensor(raw[:8])}, None, "needs [16, 1176]"),
+        ({"grid_thw": [1, 4]}, None, "3 positive integers"),
+        ({"grid_thw": [1, 3, 4]}, None, "multiples of the merge size"),
+        ({"placeholders": [(2, 3)]}, None, "hold 3 image tokens"),
+        ({"placeholders": [(6, 4)]}, None, "inside the 8-token prompt"),
+        ({"placeholders": [(3, 2), (2, 2)]}, None, "sorted, disjoint"),
+        ({"placeholders": []}, None, "placeholders is empty"),
+        ({"content_hash": ""}, None, "content_hash is empty"),
+        ({}, [5, 6, image, image, image, image, 7, image], "outside every mm_items placeholder range"),
+        ({"modality": pb.MODALITY_VIDEO}, None, "video tokens"),
+    ]
+
+
+def test_bad_image_requests(server, bystander, info):
+    for index, (changes, prompt, phrase) in enumerate(_image_cases(info)):
+        _expect_invalid(server, _image_request(info, f"bad-{index}", item_changes=changes, prompt=prompt), phrase)
+
+
+def test_overlapping_items_are_refused(server, info):
+    request = _image_request(info, "overlap")
+    request.mm_items.append(request.mm_items[0])
+    _expect_invalid(server, request, "overlapping placeholder ranges")
+
+
+def _write_segment(array: np.ndarray, prefix: bytes = b"") -> str:
+    name = f"m3stack-test-{uuid.uuid4().hex}"
+    (SHM / name).write_bytes(prefix + array.tobytes())
+    return name
+
+
+@pytest.mark.parametrize("dtype", [np.uint8, np.float32])
+def test_an_image_through_shared_memory_matches_inline_and_the_segment_is_unlinked(server, info, dtype):
+    pixels = _pixels(info, dtype)
+    wire = pb.DTYPE_UINT8 if dtype == np.uint8 else pb.DTYPE_FLOAT32
+    inline = _image_request(info, f"inline-{dtype.__name__}", item_changes={"pixel_values": _tensor(pixels, wire)})
+    expected = [t for r in server.stub.Generate(inline) if r.HasField("chunk") for t in r.chunk.token_ids]
+    name = _write_segment(pixels, prefix=b"\0" * 64)
+    tensor = pb.Tensor(
+        shape=list(pixels.shape), dtype=wire, shm=pb.ShmHandle(name=name, offset=64, nbytes=pixels.nbytes)
+    )
+    via_shm = _image_request(
+        info, f"shm-{dtype.__name__}", item_changes={"pixel_values": tensor, "content_hash": f"shm-{dtype.__name__}"}
+    )
+    tokens = [t for r in server.stub.Generate(via_shm) if r.HasField("chunk") for t in r.chunk.token_ids]
+    assert len(expected) == 3 and tokens == expected
+    assert not (SHM / name).exists()
+
+
+def test_bad_shared_memory_handles_are_refused_and_never_leak(server, info):
+    pixels = _pixels(info)
+    name = _write_segment(pixels)
+    cases = [
+        (pb.ShmHandle(name="../etc/passwd", nbytes=pixels.nbytes), "not a plain shared-memory segment name"),
+        (pb.ShmHandle(name=f"missing-{uuid.uuid4().hex}", nbytes=pixels.nbytes), "does not exist"),
+        (pb.ShmHandle(name=name, offset=8, nbytes=pixels.nbytes), "exceeds the"),
+    ]
+    for index, (handle, phrase) in enumerate(cases):
+        tensor = pb.Tensor(shape=list(pixels.shape), dtype=pb.DTYPE_FLOAT32, shm=handle)
+        _expect_invalid(server, _image_request(info, f"shm-bad-{index}", item_changes={"pixel_values": tensor}), phrase)
+    assert not (SHM / name).exists()  # the rejected segment was unlinked too
+    assert os.path.exists("/etc/passwd")
