@@ -89,11 +89,13 @@ class ReferenceAttentionBackend:
         for request in self._requests:
             keys, values = self._gather_kv(cache, request)
             index_keys = cache.index_key[request.pages].flatten(0, 1)[: request.seq_len]
-            selected = index_block_topk(
-                index_q[request.rows], index_keys, request.q_positions, block_size, self.topk_blocks, self.local_blocks
-            )
-            attended = sparse_attention(q[request.rows], keys, values, request.q_positions, selected, block_size, scale)
-            out[request.rows] = attended.to(q.dtype)
+            for rows, local in _row_slices(request, q.shape[1]):
+                positions = request.q_positions[local]
+                selected = index_block_topk(
+                    index_q[rows], index_keys, positions, block_size, self.topk_blocks, self.local_blocks
+                )
+                attended = sparse_attention(q[rows], keys, values, positions, selected, block_size, scale)
+                out[rows] = attended.to(q.dtype)
         return out
 
     def _store(self, layer: int, k: torch.Tensor, v: torch.Tensor, index_k: torch.Tensor | None) -> LayerKVCache:

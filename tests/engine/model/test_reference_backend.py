@@ -75,6 +75,15 @@ def _expected(full, layer: int) -> torch.Tensor:
 @pytest.mark.parametrize("budget", [backend_module.SCORE_BUDGET_BYTES, 1])
 def test_paged_ragged_batch_equals_the_oracle_on_contiguous_keys(monkeypatch, budget):
     monkeypatch.setattr(backend_module, "SCORE_BUDGET_BYTES", budget)  # 1: one query row per slice
+    rows_per_call = []
+    for name in ("dense_causal_attention", "sparse_attention"):
+        real = getattr(backend_module, name)
+
+        def counting(q, *args, _real=real, **kwargs):
+            rows_per_call.append(q.shape[0])
+            return _real(q, *args, **kwargs)
+
+        monkeypatch.setattr(backend_module, name, counting)
     caches, metadata, full, new = _step(seed=budget % 7)
     backend = ReferenceAttentionBackend(caches, topk_blocks=TOPK, local_blocks=LOCAL)
     backend.begin_step(metadata)
@@ -82,6 +91,9 @@ def test_paged_ragged_batch_equals_the_oracle_on_contiguous_keys(monkeypatch, bu
     sparse = backend.sparse(1, new["q"], new["k"], new["v"], new["iq"], new["ik"])
     torch.testing.assert_close(dense, _expected(full, 0), rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(sparse, _expected(full, 1), rtol=1e-5, atol=1e-5)
+    new_tokens = sum(n for _, n in REQUESTS)
+    expected_calls = 2 * (new_tokens if budget == 1 else len(REQUESTS))
+    assert len(rows_per_call) == expected_calls and sum(rows_per_call) == 2 * new_tokens
 
 
 def test_misuse_is_a_clear_error():
