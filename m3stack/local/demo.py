@@ -67,6 +67,7 @@ def demo_requests() -> list[tuple[str, list[dict[str, Any]]]]:
 
 
 def run_demo(base_url: str, model: str) -> int:
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per request is ours to print
     logger.info("demo: the default model has RANDOM weights, so the answers below are random tokens")
     failures = 0
     with httpx.Client(base_url=base_url, timeout=REQUEST_TIMEOUT_S) as client:
