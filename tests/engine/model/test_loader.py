@@ -8,6 +8,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from m3stack.cli import main
 from m3stack.engine.model.loader import CheckpointError, load_model
 
 EMBED = "language_model.model.embed_tokens.weight"
@@ -98,3 +99,9 @@ def test_unreadable_shard_is_named(checkpoint):
     broken.write_bytes(b"\x00" * 16)
     with pytest.raises(CheckpointError, match=f"{re.escape(broken.name)}: not a readable safetensors file"):
         load_model(checkpoint)
+
+
+def test_inspect_reports_a_broken_checkpoint(checkpoint, caplog):
+    _edit(checkpoint, lambda t: t.pop(EXPERT, None))
+    assert main(["model", "inspect", str(checkpoint)]) == 1
+    assert f"1 missing tensor(s): {EXPERT}" in caplog.text

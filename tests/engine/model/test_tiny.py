@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 from PIL import Image
+from safetensors.torch import load_file
 from transformers import AutoProcessor, AutoTokenizer, MiniMaxM3SparseForConditionalGeneration
 
 from m3stack.cli import main
@@ -87,3 +88,11 @@ def test_init_tiny_refuses_a_non_empty_folder(tmp_path, caplog):
 def test_load_config_names_a_missing_file(tmp_path, missing):
     with pytest.raises(ValueError, match=re.escape(missing)):
         load_config(tmp_path)
+
+
+def test_inspect_summarizes_a_valid_checkpoint(tiny_model_dir, capsys):
+    assert main(["model", "inspect", str(tiny_model_dir)]) == 0
+    out = capsys.readouterr().out
+    shards = sorted(tiny_model_dir.glob("*.safetensors"))
+    stored = sum(len(load_file(shard)) for shard in shards)
+    assert "1 dense attention, 3 MSA" in out and f"{stored} tensors in {len(shards)} file(s) match config.json" in out
