@@ -17,6 +17,7 @@ Dense runs up to 256K; beyond, ``dense_ms_extrapolated`` scales the 256K time by
 """
 
 import argparse
+import dataclasses
 import logging
 import math
 import statistics
@@ -58,6 +59,15 @@ BLOCK_MAJOR_CONFIGS = [
     PrefillTuning(tile_tokens=4, num_warps=4, num_stages=2),
     PrefillTuning(tile_tokens=8, num_warps=4, num_stages=2),
 ]
+# Then, with the fastest of those (runtime arguments, no recompiles): work-item size and workspace.
+QUERIES_PER_ITEM = [64, 128, 256]
+WORKSPACES = [512 << 20, DEFAULT_WORKSPACE_BYTES, 8 << 30]
+
+
+@dataclasses.dataclass(frozen=True)
+class AttentionConfig:
+    tuning: PrefillTuning = dataclasses.field(default_factory=PrefillTuning)
+    workspace_bytes: int = DEFAULT_WORKSPACE_BYTES
 
 
 def time_ms(fn: Callable[[], Any], max_seconds: float = 1.5) -> float:
@@ -132,19 +142,20 @@ class Layer:
     def index(self, tuning: IndexTuning | None) -> torch.Tensor:
         return prefill_index_topk(self.index_q, self.index_key_cache, self.metadata, TOPK, LOCAL, tuning)
 
-    def attend(self, selection: torch.Tensor, method: str, tuning: PrefillTuning | None) -> torch.Tensor:
+    def attend(self, selection: torch.Tensor, method: str, config: AttentionConfig) -> torch.Tensor:
         return sparse_prefill(
-            self.q, self.key_cache, self.value_cache, selection, self.metadata, SCALE, method, tuning=tuning
-        )
+            self.q, self.key_cache, self.value_cache, selection, self.metadata, SCALE, method,
+            workspace_bytes=config.workspace_bytes, tuning=config.tuning,
+        )  # fmt: skip
 
-    def csr(self, selection: torch.Tensor, tuning: PrefillTuning) -> None:
-        """The inversion alone, with the block-major defaults (16 x tile tokens per work item)."""
-        tile = tuning.tile_tokens or 8
-        chunk = min(len(self.q), chunk_tokens_for(Q_HEADS, TOPK, HEAD_DIM, self.q.dtype, DEFAULT_WORKSPACE_BYTES))
+    def csr(self, selection: torch.Tensor, config: AttentionConfig) -> None:
+        """The inversion alone, as block-major runs it (default: 16 x tile tokens per work item)."""
+        tile = config.tuning.tile_tokens or 8
+        chunk = min(len(self.q), chunk_tokens_for(Q_HEADS, TOPK, HEAD_DIM, self.q.dtype, config.workspace_bytes))
         blocks = global_blocks(self.metadata)
         build_block_queries(
             selection, self.metadata.positions, token_requests(self.metadata), blocks, BLOCK, chunk,
-            tuning.queries_per_item or 16 * tile,
+            config.tuning.queries_per_item or 16 * tile,
         )  # fmt: skip
 
     def attention_flops(self, selection: torch.Tensor) -> float:
@@ -193,30 +204,38 @@ def attempt(row: dict[str, Any], key: str, fn: Callable[[], float]) -> float | N
     return value
 
 
-def sweep(layer: Layer) -> tuple[IndexTuning, PrefillTuning, list[dict[str, Any]]]:
-    """Time each candidate config on ``layer``; return the fastest of each kernel family."""
+def sweep(layer: Layer) -> tuple[IndexTuning, AttentionConfig, list[dict[str, Any]]]:
+    """Time each candidate config on ``layer``; return the fastest indexer and attention configs."""
     results: list[dict[str, Any]] = []
     context = len(layer.q)
 
     def fastest(kernel: str, configs: list, run: Callable[[Any], Any]) -> Any:
         best, best_ms = configs[0], math.inf
-        for tuning in configs:
-            entry = {"kernel": kernel, "config": repr(tuning), "context": context}
-            ms = attempt(entry, "ms", lambda t=tuning: time_ms(lambda: run(t)))
+        for config in configs:
+            entry = {"kernel": kernel, "config": repr(config), "context": context}
+            ms = attempt(entry, "ms", lambda c=config: time_ms(lambda: run(c)))
             results.append(entry)
+            logger.info("sweep %s %s: %s ms", kernel, entry["config"], ms)
             if ms is not None and ms < best_ms:
-                best, best_ms = tuning, ms
+                best, best_ms = config, ms
         return best
 
     best_index = fastest("indexer", INDEX_CONFIGS, layer.index)
     selection = layer.index(best_index)
-    best_attn = fastest("block_major", BLOCK_MAJOR_CONFIGS, lambda t: layer.attend(selection, "block_major", t))
-    for entry in results:
-        logger.info("sweep %s %s: %s ms", entry["kernel"], entry["config"], entry.get("ms"))
-    return best_index, best_attn, results
+
+    def block_major(config: AttentionConfig) -> torch.Tensor:
+        return layer.attend(selection, "block_major", config)
+
+    best_tile = fastest("block_major", [AttentionConfig(t) for t in BLOCK_MAJOR_CONFIGS], block_major)
+    sized = [
+        AttentionConfig(dataclasses.replace(best_tile.tuning, queries_per_item=per_item), workspace)
+        for per_item in QUERIES_PER_ITEM
+        for workspace in WORKSPACES
+    ]
+    return best_index, fastest("block_major", sized, block_major), results
 
 
-def measure(layer: Layer, index_tuning: IndexTuning, attn_tuning: PrefillTuning, dense: bool) -> dict[str, Any]:
+def measure(layer: Layer, index_tuning: IndexTuning, attn_tuning: AttentionConfig, dense: bool) -> dict[str, Any]:
     context = len(layer.q)
     row: dict[str, Any] = {"context": context}
     selection = layer.index(index_tuning)
@@ -278,7 +297,7 @@ def main() -> int:
     contexts = [int(c) for c in args.contexts.split(",")]
     rows: list[dict[str, Any]] = []
     extra: dict[str, Any] = {"dims": dict(Hq=Q_HEADS, Hkv=KV_HEADS, D=HEAD_DIM, d=INDEX_DIM, B=BLOCK, K=TOPK)}
-    index_tuning, attn_tuning = IndexTuning(), PrefillTuning()
+    index_tuning, attn_tuning = IndexTuning(), AttentionConfig()
     if not args.no_sweep and SWEEP_CONTEXT in contexts:
         layer = Layer(SWEEP_CONTEXT, seed=0, device=torch.device("cuda"))
         try:

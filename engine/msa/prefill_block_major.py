@@ -29,17 +29,17 @@ from m3stack.engine.msa.prefill_plan import global_blocks, token_requests
 def _block_major_kernel(
     q_ptr, k_ptr, v_ptr, positions_ptr, block_page_ptr, block_first_pos_ptr, block_num_keys_ptr,
     row_ptr_ptr, entries_ptr, item_bucket_ptr, item_start_ptr, chunk_items_ptr, part_o_ptr, part_lse_ptr,
-    chunk, token_offset, num_blocks, scale_log2,
+    chunk, token_offset, num_blocks, queries_per_item, scale_log2,
     stride_qt, stride_qh, stride_kp, stride_kh, stride_kb, stride_vp, stride_vh, stride_vb,
     HKV: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, B: tl.constexpr,
-    K: tl.constexpr, TILE: tl.constexpr, QUERIES_PER_ITEM: tl.constexpr, INPUT_PRECISION: tl.constexpr,
+    K: tl.constexpr, TILE: tl.constexpr, INPUT_PRECISION: tl.constexpr,
 ):
     item = tl.load(chunk_items_ptr + chunk) + tl.program_id(0)
     if item >= tl.load(chunk_items_ptr + chunk + 1):
         return  # the grid is an upper bound on the chunk's items
     bucket = tl.load(item_bucket_ptr + item)
     lo = tl.load(item_start_ptr + item)
-    hi = tl.minimum(lo + QUERIES_PER_ITEM, tl.load(row_ptr_ptr + bucket + 1))
+    hi = tl.minimum(lo + queries_per_item, tl.load(row_ptr_ptr + bucket + 1))
     block = bucket % num_blocks
     head = (bucket // num_blocks) % HKV
     first_key = tl.load(block_first_pos_ptr + block)
@@ -155,9 +155,9 @@ def block_major_attention(
         _block_major_kernel[(csr.items_bound(chunk, num_tokens, num_kv_heads, topk),)](
             q, key_cache, value_cache, metadata.positions, blocks.page, blocks.first_position, blocks.num_keys,
             csr.row_ptr, csr.entries, csr.item_bucket, csr.item_start, csr.chunk_items, part_o, part_lse,
-            chunk, token_offset, csr.num_blocks, scale * LOG2E,
+            chunk, token_offset, csr.num_blocks, csr.queries_per_item, scale * LOG2E,
             q.stride(0), q.stride(1), *key_cache.stride()[:3], *value_cache.stride()[:3],
-            HKV=num_kv_heads, B=block_size, K=topk, TILE=tile_tokens, QUERIES_PER_ITEM=csr.queries_per_item,
+            HKV=num_kv_heads, B=block_size, K=topk, TILE=tile_tokens,
             INPUT_PRECISION=precision, num_warps=tuning.num_warps or 8, num_stages=tuning.num_stages or 2, **dims,
         )  # fmt: skip
         _merge_kernel[(min(chunk_tokens, num_tokens - token_offset),)](

@@ -103,10 +103,10 @@ def _bucket_pass_kernel(
 
 @triton.jit
 def _items_kernel(
-    row_ptr_ptr, item_ptr_ptr, item_bucket_ptr, item_start_ptr, n_buckets,
-    QUERIES_PER_ITEM: tl.constexpr, BLOCK: tl.constexpr,
+    row_ptr_ptr, item_ptr_ptr, item_bucket_ptr, item_start_ptr, n_buckets, queries_per_item,
+    BLOCK: tl.constexpr,
 ):
-    """Write one (bucket, first entry) work item per run of ``QUERIES_PER_ITEM`` entries."""
+    """Write one (bucket, first entry) work item per run of ``queries_per_item`` entries."""
     bucket = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     in_range = bucket < n_buckets
     first_item = tl.load(item_ptr_ptr + bucket, mask=in_range, other=0)
@@ -115,7 +115,7 @@ def _items_kernel(
     for j in range(tl.max(num_items, axis=0)):
         live = j < num_items
         tl.store(item_bucket_ptr + first_item + j, bucket, mask=live)
-        tl.store(item_start_ptr + first_item + j, first_entry + j * QUERIES_PER_ITEM, mask=live)
+        tl.store(item_start_ptr + first_item + j, first_entry + j * queries_per_item, mask=live)
 
 
 # fmt: on
@@ -163,8 +163,7 @@ def build_block_queries(
     item_start = torch.empty_like(item_bucket)
     if num_buckets:
         _items_kernel[(triton.cdiv(num_buckets, _BUCKETS_PER_PROGRAM),)](
-            row_ptr, item_ptr, item_bucket, item_start, num_buckets,
-            QUERIES_PER_ITEM=queries_per_item, BLOCK=_BUCKETS_PER_PROGRAM,
+            row_ptr, item_ptr, item_bucket, item_start, num_buckets, queries_per_item, BLOCK=_BUCKETS_PER_PROGRAM,
         )  # fmt: skip
     chunk_first_bucket = torch.arange(num_chunks + 1, device=device) * (num_kv_heads * blocks.count)
     return BlockQueries(
