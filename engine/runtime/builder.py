@@ -53,8 +53,12 @@ def make_attention_backend(kv_caches: list[LayerKVCache], config: M3Config, devi
         except ImportError as exc:
             logger.warning("the CUDA attention backend is unavailable (%s); using the reference backend", exc)
         else:
+            # num_q_heads lets begin_step plan every layer up front, which CUDA-graph capture needs.
             return GpuAttentionBackend(
-                kv_caches, topk_blocks=text.index_topk_blocks, local_blocks=text.index_local_blocks
+                kv_caches,
+                topk_blocks=text.index_topk_blocks,
+                local_blocks=text.index_local_blocks,
+                num_q_heads=text.num_heads,
             )
     return ReferenceAttentionBackend(
         kv_caches, topk_blocks=text.index_topk_blocks, local_blocks=text.index_local_blocks

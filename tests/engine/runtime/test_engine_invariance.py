@@ -11,6 +11,7 @@ import pytest
 import torch
 from transformers import MiniMaxM3SparseForConditionalGeneration
 
+from m3stack.engine.runtime import offline
 from m3stack.engine.runtime.request import Modality, SamplingParams
 from m3stack.engine.runtime.validation import MultimodalSpec, build_request
 
@@ -32,21 +33,13 @@ def generate(
 ) -> dict[str, list[int]]:
     """Greedy tokens per request id; with ``stagger`` > 0 request i arrives i * stagger steps late."""
     sampling = SamplingParams(temperature=0.0, max_new_tokens=max_new_tokens, ignore_eos=True)
-    pending = list(prompts.items())
-    tokens: dict[str, list[int]] = {rid: [] for rid in prompts}
-    step = 0
-    while pending or core.has_work:
-        while pending and (stagger == 0 or step >= stagger * (len(prompts) - len(pending))):
-            rid, prompt = pending.pop(0)
-            core.add_request(build_request(core.info, rid, prompt, sampling, mm_items=(mm or {}).get(rid, ())))
-        report = core.step()
-        for output in report.outputs:
-            assert output.error is None, output.error
-            tokens[output.request_id] += output.new_token_ids
-        core.scheduler.check_invariants()
-        step += 1
+    requests = [
+        build_request(core.info, rid, prompt, sampling, mm_items=(mm or {}).get(rid, ()))
+        for rid, prompt in prompts.items()
+    ]
+    results = offline.generate(core, requests, stagger_steps=stagger, check_invariants=True)
     assert core.scheduler.kv.num_free_blocks == core.scheduler.kv.pool.num_usable_blocks
-    return tokens
+    return {rid: result.token_ids for rid, result in results.items()}
 
 
 @pytest.fixture(scope="module")
