@@ -7,12 +7,14 @@ refuse rather than downscale.
 """
 
 import argparse
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from m3stack import options
 from m3stack.options import OptionGroup
 
 from .errors import MediaError
+from .image import DEFAULT_IMAGE_FORMATS
+from .video import DEFAULT_CODECS, DEFAULT_CONTAINERS
 
 M3_MAX_IMAGE_PIXELS = 3584 * 3584
 M3_MAX_VIDEO_PIXELS = 301_056_000
@@ -43,7 +45,10 @@ class MediaLimits:
     # Processing
     job_timeout_s: float = 60.0  # one item's decode + preprocess in a worker
     decode_threads: int = 1  # per video job; 1 under load, more for lone-request latency
-    image_formats: tuple[str, ...] = field(default=("JPEG", "PNG", "WEBP", "GIF", "BMP"))
+    # Decoders exposed to untrusted bytes: Pillow formats, FFmpeg demuxers and video codecs.
+    image_formats: tuple[str, ...] = DEFAULT_IMAGE_FORMATS
+    video_containers: tuple[str, ...] = DEFAULT_CONTAINERS
+    video_codecs: tuple[str, ...] = DEFAULT_CODECS
 
     def check_counts(self, images: int, videos: int) -> None:
         if images > self.max_images:

@@ -102,21 +102,25 @@ class MediaPipeline:
         transport: Transport | None = None,
         cache_bytes: int = 512 * 2**20,
         workers: int | None = None,
-        fetcher: MediaFetcher | None = None,
+        pool: WorkerPool | None = None,
     ) -> None:
+        """``pool``: a started pool to share (its owner closes it); by default the pipeline starts its own."""
         self.profile = profile
         self.limits = limits
         self.transport = transport or Transport()
         self.cache = ProcessedCache(cache_bytes)
-        self.pool = WorkerPool(workers, warmup=warm_worker)
-        self.fetcher = fetcher or MediaFetcher(limits)
+        self._owns_pool = pool is None
+        self.pool = pool or WorkerPool(workers, warmup=warm_worker)
+        self.fetcher = MediaFetcher(limits)
         self._settings = f"{profile.model_type}/{profile.preprocessor.fingerprint()}/{self.transport.dtype}"
 
     async def start(self) -> None:
-        await self.pool.start()
+        if self._owns_pool:
+            await self.pool.start()
 
     async def close(self) -> None:
-        await self.pool.close()
+        if self._owns_pool:
+            await self.pool.close()
         await self.fetcher.close()
 
     async def process_media(
@@ -229,7 +233,13 @@ def probe_image_job(segment: str, preprocessor: PixelPreprocessor, limits: Media
 
 
 def probe_video_job(segment: str, preprocessor: PixelPreprocessor, limits: MediaLimits) -> tuple[VideoPlan, VideoProbe]:
-    probe = video_codec.probe_video(read_segment(segment), limits.max_video_frame_pixels, limits.max_video_frames)
+    probe = video_codec.probe_video(
+        read_segment(segment),
+        limits.max_video_frame_pixels,
+        limits.max_video_frames,
+        limits.video_containers,
+        limits.video_codecs,
+    )
     plan = preprocessor.plan_video(probe)
     walk = video_codec.frames_to_decode(probe, video_codec.plan_decode(probe, plan.frame_indices))
     limits.check_video_plan(len(plan.frame_indices), plan.source_width, plan.source_height, walk)
@@ -258,7 +268,9 @@ def process_job(
         preprocessor.run_image(rgb, plan, patches)
     else:
         assert probe is not None
-        frames = video_codec.decode_frames(data, probe, plan.frame_indices, limits.decode_threads)
+        frames = video_codec.decode_frames(
+            data, probe, plan.frame_indices, limits.decode_threads, limits.video_containers
+        )
         preprocessor.run_video(frames, plan, patches)
     if dtype is WireDType.BFLOAT16:
         target[...] = float32_to_bfloat16_bits(preprocessor.normalize(patches))

@@ -35,10 +35,24 @@ class DecodeSegment:
     target_pts: tuple[int, ...]
 
 
-def probe_video(data: bytes, max_frame_pixels: int, max_frames: int) -> VideoProbe:
-    """Metadata of the first video stream; refuses oversized frames and too many frames before decoding."""
-    with _open(data) as container:
+DEFAULT_CONTAINERS = ("mov", "mp4", "m4a", "3gp", "3g2", "mj2", "matroska", "webm", "avi", "mpegts", "ogg")
+DEFAULT_CODECS = ("h264", "hevc", "vp8", "vp9", "av1", "mpeg4", "mpeg1video", "mpeg2video", "mjpeg", "theora")
+
+
+def probe_video(
+    data: bytes,
+    max_frame_pixels: int,
+    max_frames: int,
+    containers: Sequence[str] = DEFAULT_CONTAINERS,
+    codecs: Sequence[str] = DEFAULT_CODECS,
+) -> VideoProbe:
+    """Metadata of the first video stream; refuses other containers and codecs, oversized frames and too
+    many frames before decoding anything but the first frame."""
+    with _open(data, containers) as container:
         stream = _video_stream(container)
+        codec = stream.codec_context.codec.canonical_name
+        if codec not in codecs:
+            raise MediaError(f"video codec {codec!r} is not supported ({', '.join(codecs)})", "unsupported_media")
         width, height = stream.codec_context.width, stream.codec_context.height
         if width <= 0 or height <= 0:
             raise MediaError("the video stream has no frame size")
@@ -51,7 +65,7 @@ def probe_video(data: bytes, max_frame_pixels: int, max_frames: int) -> VideoPro
         rotation = _first_frame_rotation(container, stream)
         fps = _average_fps(stream, len(frame_pts))
         return VideoProbe(
-            codec=stream.codec_context.name,
+            codec=codec,
             width=width,
             height=height,
             rotation=rotation,
@@ -90,12 +104,18 @@ def frames_to_decode(probe: VideoProbe, segments: Sequence[DecodeSegment]) -> in
     return total
 
 
-def decode_frames(data: bytes, probe: VideoProbe, indices: Sequence[int], threads: int = 1) -> np.ndarray:
+def decode_frames(
+    data: bytes,
+    probe: VideoProbe,
+    indices: Sequence[int],
+    threads: int = 1,
+    containers: Sequence[str] = DEFAULT_CONTAINERS,
+) -> np.ndarray:
     """The frames at ``indices`` (ascending) as upright ``[T, H, W, 3]`` uint8 RGB."""
     height, width = probe.display_size
     out = np.empty((len(indices), height, width, 3), dtype=np.uint8)
     position = {probe.frame_pts[index]: slot for slot, index in enumerate(indices)}
-    with _open(data) as container:
+    with _open(data, containers) as container:
         stream = _video_stream(container)
         stream.codec_context.thread_count = threads
         stream.codec_context.thread_type = "FRAME" if threads > 1 else "SLICE"
@@ -141,12 +161,15 @@ def _store(frame: av.VideoFrame, slot: np.ndarray, rotation: int) -> None:
     slot[...] = np.rot90(rgb, rotation // 90) if rotation else rgb
 
 
-def _open(data: bytes) -> av.container.InputContainer:
+def _open(data: bytes, containers: Sequence[str]) -> av.container.InputContainer:
+    # Only the listed demuxers may even probe the data: playlist and concat demuxers open other URLs
+    # and files, and every extra demuxer is attack surface.
+    options = {"format_whitelist": ",".join(containers)}
     try:
-        return av.open(io.BytesIO(data), mode="r")
-    except av.FFmpegError as exc:
+        return av.open(io.BytesIO(data), mode="r", options=options)
+    except av.FFmpegError:
         raise MediaError(
-            f"the data is not a video in a supported container ({exc})", code="unsupported_media"
+            f"the data is not a video in a supported container ({', '.join(containers)})", code="unsupported_media"
         ) from None
 
 

@@ -90,3 +90,12 @@ def test_sparse_decode_seeks_and_walks_fewer_frames():
     assert video_codec.frames_to_decode(probe, segments) < 30
     full = _reference_frames("h264-60fps-short-gop").frames
     np.testing.assert_array_equal(video_codec.decode_frames(data, probe, indices), full[indices])
+
+
+def test_containers_and_codecs_outside_the_allowlists_are_refused():
+    from m3stack.gateway.multimodal import MediaError
+
+    with pytest.raises(MediaError, match="codec 'vp9' is not supported"):
+        video_codec.probe_video(_encoded("vp9-webm"), 10**7, 10**5, codecs=("h264",))
+    with pytest.raises(MediaError, match="not a video in a supported container"):
+        video_codec.probe_video(_encoded("h264-30fps"), 10**7, 10**5, containers=("matroska",))
