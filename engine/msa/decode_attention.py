@@ -76,7 +76,7 @@ class FlashInferSparseDecode:
         pages, num_kv_heads, block_size, head_dim = key_cache.shape
         flat = (pages * num_kv_heads, 1, block_size, head_dim)
         self._wrapper.run(
-            q.reshape(plan.num_rows, group, head_dim),
+            q.contiguous().view(plan.num_rows, group, head_dim),
             (key_cache.view(flat), value_cache.view(flat)),
             out=out.view(plan.num_rows, group, head_dim),
         )

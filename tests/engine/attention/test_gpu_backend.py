@@ -1,0 +1,115 @@
+"""The GPU attention backend (Triton paths, interpreted on CPU) against the reference backend, over a
+sequence of steps that store into and read back from the paged cache: chunked prefill, a mixed
+step, plain decode and multi-token (MTP-like) decode, on a dense and an MSA layer."""
+
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")  # before any kernel module is imported
+
+import pytest
+import torch
+
+from m3stack.engine.attention.gpu import GpuAttentionBackend
+from m3stack.engine.attention.metadata import AttentionMetadata
+from m3stack.engine.attention.reference import ReferenceAttentionBackend
+from m3stack.engine.kv_cache.tensors import KVCacheSpec, allocate_kv_cache
+
+BLOCK, HQ, HKV, HEAD_DIM, INDEX_DIM, TOPK, LOCAL = 16, 8, 2, 32, 16, 3, 1
+NUM_PAGES = 24
+# Each step: {request: new tokens}; more than 32 new tokens of a request send the MSA layer to the
+# prefill path (32 x Hkv columns is the decode indexer's limit).  Contexts reach 5-6 blocks, so
+# top-3 selection really drops blocks.
+STEPS = [
+    {0: 34, 1: 3},  # prefill chunk + a short prompt (MSA prefill path)
+    {0: 40},  # the rest of request 0 (prefill path, starts mid-block)
+    {0: 1, 1: 1},  # decode (MSA decode path, pure decode for the dense layer)
+    {0: 3, 1: 2, 2: 1},  # several tokens per request and a new 1-token prompt (decode path)
+    {1: 1, 2: 1},  # decode with one request finished
+]
+
+
+def caches() -> list:
+    spec = KVCacheSpec(num_layers=2, num_kv_heads=HKV, head_dim=HEAD_DIM, block_size=BLOCK, index_head_dim=INDEX_DIM,
+                       sparse_layers=(False, True), dtype=torch.float32)  # fmt: skip
+    layers = allocate_kv_cache(spec, NUM_PAGES, "cpu")
+    for layer in layers:
+        for tensor in (layer.key, layer.value, layer.index_key):
+            if tensor is not None:
+                tensor.fill_(float("nan"))  # only written slots may ever be read
+    return layers
+
+
+def step_metadata(step: dict[int, int], done: dict[int, int], pages: torch.Tensor) -> AttentionMetadata:
+    requests = sorted(step)
+    query_lens = torch.tensor([step[r] for r in requests], dtype=torch.int32)
+    seq_lens = torch.tensor([done[r] + step[r] for r in requests], dtype=torch.int32)
+    query_start_loc = torch.zeros(len(requests) + 1, dtype=torch.int32)
+    query_start_loc[1:] = torch.cumsum(query_lens, 0)
+    positions = torch.cat([torch.arange(done[r], done[r] + step[r]) for r in requests])
+    owner = torch.repeat_interleave(torch.tensor(requests), query_lens.long())
+    page_table = pages[requests].to(torch.int32)
+    slot_mapping = pages[owner, positions // BLOCK] * BLOCK + positions % BLOCK
+    return AttentionMetadata(
+        block_size=BLOCK, query_start_loc=query_start_loc, seq_lens=seq_lens, positions=positions,
+        slot_mapping=slot_mapping, page_table=page_table, query_start_loc_cpu=query_start_loc.clone(),
+        seq_lens_cpu=seq_lens.clone(),
+    )  # fmt: skip
+
+
+def run_and_compare(steps: list[dict[int, int]], num_q_heads: int | None, seed: int) -> None:
+    generator = torch.Generator().manual_seed(seed)
+    # Three requests of up to 8 pages each, scattered over the pool.
+    pages = torch.randperm(NUM_PAGES, generator=generator)[:24].view(3, 8)
+    gpu = GpuAttentionBackend(caches(), topk_blocks=TOPK, local_blocks=LOCAL, num_q_heads=num_q_heads)
+    ref = ReferenceAttentionBackend(caches(), topk_blocks=TOPK, local_blocks=LOCAL)
+    done = {0: 0, 1: 0, 2: 0}
+    for step in steps:
+        metadata = step_metadata(step, done, pages)
+
+        def randn(*shape: int, tokens: int = metadata.num_tokens) -> torch.Tensor:
+            return torch.randn(tokens, *shape, generator=generator)
+
+        dense_args = (randn(HQ, HEAD_DIM), randn(HKV, HEAD_DIM), randn(HKV, HEAD_DIM))
+        sparse_args = (randn(HQ, HEAD_DIM), randn(HKV, HEAD_DIM), randn(HKV, HEAD_DIM), randn(HKV, INDEX_DIM),
+                       randn(INDEX_DIM))  # fmt: skip
+        outputs = []
+        for backend in (gpu, ref):
+            backend.begin_step(metadata)
+            outputs.append((backend.dense(0, *dense_args), backend.sparse(1, *sparse_args)))
+        (gpu_dense, gpu_sparse), (ref_dense, ref_sparse) = outputs
+        torch.testing.assert_close(gpu_dense, ref_dense, atol=2e-5, rtol=2e-5)
+        torch.testing.assert_close(gpu_sparse, ref_sparse, atol=2e-5, rtol=2e-5)
+        for request, new in step.items():
+            done[request] += new
+
+
+def test_gpu_backend_matches_reference_backend_over_steps() -> None:
+    run_and_compare(STEPS, num_q_heads=HQ, seed=17)
+
+
+def test_plan_made_at_the_first_layer_without_num_q_heads() -> None:
+    run_and_compare([{0: 20, 1: 5}, {0: 1, 1: 1}], num_q_heads=None, seed=4)
+
+
+def test_bad_steps_are_refused() -> None:
+    gpu = GpuAttentionBackend(caches(), topk_blocks=TOPK, local_blocks=LOCAL, num_q_heads=HQ)
+    pages = torch.arange(24).view(3, 8)
+    metadata = step_metadata({0: 5}, {0: 0}, pages)
+    q, k = torch.randn(5, HQ, HEAD_DIM), torch.randn(5, HKV, HEAD_DIM)
+    with pytest.raises(RuntimeError, match="begin_step"):
+        gpu.dense(0, q, k, k)
+    gpu.begin_step(metadata)
+    with pytest.raises(ValueError, match="not an MSA layer"):
+        gpu.sparse(0, q, k, k, torch.randn(5, HKV, INDEX_DIM), torch.randn(5, INDEX_DIM))
+    with pytest.raises(ValueError, match="cache holds"):
+        gpu.dense(0, q.double(), k, k)
+    bad = step_metadata({0: 5}, {0: 0}, pages)
+    bad.seq_lens_cpu[0] = 3
+    with pytest.raises(ValueError, match="more tokens than their context"):
+        gpu.begin_step(bad)
+    with pytest.raises(ValueError, match="runs on CUDA"):
+        os.environ["TRITON_INTERPRET"] = "0"
+        try:
+            GpuAttentionBackend(caches(), topk_blocks=TOPK, local_blocks=LOCAL)
+        finally:
+            os.environ["TRITON_INTERPRET"] = "1"
