@@ -100,12 +100,15 @@ class M3ForServing(nn.Module):
         """``[n, hidden]`` -> float32 logits ``[n, vocab]`` (the LM head runs in the model dtype)."""
         return self.lm_head(hidden).float()
 
-    def encode_vision(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor, modality: Modality) -> torch.Tensor:
+    def encode_vision(
+        self, pixel_values: torch.Tensor, grid_thw: torch.Tensor, modality: Modality | str
+    ) -> torch.Tensor:
         """Patches of one or more items (uint8 or normalized floats) -> placeholder embeddings ``[N / 4, hidden]``.
 
         Rows follow the items' order in ``grid_thw``; each item yields ``t * h * w / merge_size**2`` rows, the
         number of placeholder tokens the processor put into the prompt for it.
         """
+        modality = Modality(modality)  # also accepts "image" / "video"; anything else is a ValueError
         vision = self.config.vision
         if pixel_values.dim() != 2 or pixel_values.shape[1] != vision.patch_dim:
             raise ValueError(f"pixel_values must be [N, {vision.patch_dim}], got {tuple(pixel_values.shape)}")

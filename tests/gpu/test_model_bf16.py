@@ -23,6 +23,7 @@ NUM_TOKENS = 32
 NUM_PAGES = 128
 DEVICE = "cuda"
 # (modality, grid_thw rows) per case; None = text only.  The video is one 6-frame-patch clip in chunks of 4 + 2.
+BACKENDS = ["reference", "gpu"]
 CASES = {"text": None, "image": (Modality.IMAGE, [[1, 16, 20]]), "video": (Modality.VIDEO, [[4, 4, 6], [2, 4, 6]])}
 
 
@@ -73,7 +74,19 @@ def _hf_kwargs(media, dtype) -> dict:
     return {"pixel_values_videos": patches.to(DEVICE, dtype), "video_grid_thw": grid.to(DEVICE)}
 
 
-def _ours(model, ids, media) -> tuple[torch.Tensor, list[int]]:
+def _backend_factory(name: str, model):
+    """``reference``: plain PyTorch; ``gpu``: the Triton MSA kernels + FlashInfer (engine.attention.gpu)."""
+    if name == "reference":
+        return None
+    from m3stack.engine.attention.gpu import GpuAttentionBackend
+
+    text = model.config.text
+    return lambda caches: GpuAttentionBackend(
+        caches, topk_blocks=text.index_topk_blocks, local_blocks=text.index_local_blocks, num_q_heads=text.num_heads
+    )
+
+
+def _ours(model, ids, media, backend: str) -> tuple[torch.Tensor, list[int]]:
     rows = embeds = None
     if media is not None:
         modality, patches, grid = media
@@ -81,7 +94,7 @@ def _ours(model, ids, media) -> tuple[torch.Tensor, list[int]]:
             embeds = model.encode_vision(patches.to(DEVICE), grid, modality)
         token = model.config.image_token_id if modality == Modality.IMAGE else model.config.video_token_id
         rows = torch.nonzero(ids == token).flatten().to(DEVICE)
-    runner = PagedRunner(model, NUM_PAGES, DEVICE)
+    runner = PagedRunner(model, NUM_PAGES, DEVICE, backend_factory=_backend_factory(backend, model))
     with torch.inference_mode():
         return runner.greedy(Chunk(Sequence(), ids, rows, embeds), NUM_TOKENS)
 
@@ -96,18 +109,20 @@ def float32_reference(checkpoint, prompts):
     return oracle, results
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("name", list(CASES))
-def test_float32_on_gpu_matches_transformers(checkpoint, prompts, float32_reference, name):
+def test_float32_on_gpu_matches_transformers(checkpoint, prompts, float32_reference, name, backend):
     model, _ = load_model(checkpoint, DEVICE, torch.float32)
     ids, media = prompts[name]
-    logits, tokens = _ours(model, ids, media)
+    logits, tokens = _ours(model, ids, media, backend)
     reference_logits, reference_tokens = float32_reference[1][name]
     assert relative_error(logits, reference_logits) <= 1e-4
     assert tokens == reference_tokens
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("name", list(CASES))
-def test_bfloat16_is_as_accurate_as_transformers_bfloat16(checkpoint, prompts, float32_reference, name):
+def test_bfloat16_is_as_accurate_as_transformers_bfloat16(checkpoint, prompts, float32_reference, name, backend):
     oracle32, results32 = float32_reference
     ids, media = prompts[name]
     reference_logits = results32[name][0]
@@ -115,7 +130,7 @@ def test_bfloat16_is_as_accurate_as_transformers_bfloat16(checkpoint, prompts, f
     hf16 = _oracle(checkpoint, torch.bfloat16)
     hf16_logits, hf16_tokens = hf_greedy(hf16, device_ids, NUM_TOKENS, **_hf_kwargs(media, torch.bfloat16))
     model, _ = load_model(checkpoint, DEVICE, torch.bfloat16)
-    logits, tokens = _ours(model, ids, media)
+    logits, tokens = _ours(model, ids, media, backend)
 
     # The tiny random model is fragile in bf16 (a near-tie flips an MoE route or an MSA block and that token's
     # logits move a lot), so compare error distributions with transformers' own bf16 run, not single maxima.

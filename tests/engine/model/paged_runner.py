@@ -7,13 +7,15 @@ of an unwritten slot poisons the output.
 """
 
 import random
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 
+from m3stack.engine.attention.backend import AttentionBackend
 from m3stack.engine.attention.metadata import AttentionMetadata
 from m3stack.engine.attention.reference import ReferenceAttentionBackend
-from m3stack.engine.kv_cache.tensors import allocate_kv_cache
+from m3stack.engine.kv_cache.tensors import LayerKVCache, allocate_kv_cache
 from m3stack.engine.model.model import M3ForServing
 
 
@@ -41,6 +43,7 @@ class PagedRunner:
         device: torch.device | str,
         seed: int = 0,
         topk_blocks: int | None = None,
+        backend_factory: Callable[[list[LayerKVCache]], AttentionBackend] | None = None,
     ) -> None:
         self.model = model
         self.device = torch.device(device)
@@ -51,8 +54,12 @@ class PagedRunner:
                 if tensor is not None:
                     tensor.fill_(float("nan"))
         text = model.config.text
-        self.backend = ReferenceAttentionBackend(
-            caches, topk_blocks=topk_blocks or text.index_topk_blocks, local_blocks=text.index_local_blocks
+        self.backend = (
+            backend_factory(caches)
+            if backend_factory is not None
+            else ReferenceAttentionBackend(
+                caches, topk_blocks=topk_blocks or text.index_topk_blocks, local_blocks=text.index_local_blocks
+            )
         )
         self.free_pages = list(range(num_pages))
         random.Random(seed).shuffle(self.free_pages)

@@ -80,3 +80,8 @@ def test_bad_vision_input_is_a_clear_error(ours, rows, grid, dtype, message):
 def test_wrong_patch_length_is_a_clear_error(ours):
     with pytest.raises(ValueError, match=f"pixel_values must be \\[N, {ours.config.vision.patch_dim}\\]"):
         ours.encode_vision(torch.zeros((4, 10)), torch.tensor([[1, 2, 2]]), Modality.IMAGE)
+
+
+def test_unknown_modality_is_a_clear_error(ours):
+    with pytest.raises(ValueError, match="'audio' is not a valid Modality"):
+        ours.encode_vision(torch.zeros((4, ours.config.vision.patch_dim)), torch.tensor([[1, 2, 2]]), "audio")
