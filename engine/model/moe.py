@@ -52,24 +52,48 @@ class MoE(nn.Module):
     def _experts(self, x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """Weighted sum of each token's chosen experts, float32 ``[T, H]``.
 
-        Token-expert pairs are sorted by expert so each expert runs one GEMM over its tokens.  The per-expert
-        counts go to the host (one sync per layer); a grouped-GEMM kernel would remove it.
+        Token-expert pairs are sorted by expert so each expert runs one GEMM over its tokens, then put back in
+        (token, slot) order and summed per token (no atomics: the same tokens give the same sums in any batch).
         """
         num_tokens, top_k = expert_ids.shape
         flat = expert_ids.flatten()
         order = torch.argsort(flat, stable=True)
-        counts = torch.bincount(flat, minlength=self.gate_up_proj.shape[0]).tolist()
-        token_of_pair = order // top_k
-        pair_weights = weights.flatten()[order]
-        inputs = x[token_of_pair]
-        out = torch.zeros((num_tokens, x.shape[1]), dtype=torch.float32, device=x.device)
-        start = 0
+        inputs = x[order // top_k]
+        sorted_out = self._grouped(inputs, flat) if use_grouped_mm(x) else self._looped(inputs, flat)
+        out = torch.empty_like(sorted_out)
+        out[order] = sorted_out
+        return (out.view(num_tokens, top_k, -1).float() * weights[..., None]).sum(dim=1)
+
+    def _looped(self, inputs: torch.Tensor, flat_ids: torch.Tensor) -> torch.Tensor:
+        """One GEMM pair per expert that has tokens; the counts go to the host (a sync per layer)."""
+        counts = torch.bincount(flat_ids, minlength=self.gate_up_proj.shape[0]).tolist()
+        outputs, start = [], 0
         for expert, count in enumerate(counts):
-            if count == 0:
-                continue
-            rows = slice(start, start + count)
-            hidden = swiglu_oai(F.linear(inputs[rows], self.gate_up_proj[expert]), self.alpha, self.limit)
-            expert_out = F.linear(hidden, self.down_proj[expert]).float() * pair_weights[rows, None]
-            out.index_add_(0, token_of_pair[rows], expert_out)
-            start += count
-        return out
+            if count:
+                rows = inputs[start : start + count]
+                hidden = swiglu_oai(F.linear(rows, self.gate_up_proj[expert]), self.alpha, self.limit)
+                outputs.append(F.linear(hidden, self.down_proj[expert]))
+                start += count
+        return torch.cat(outputs)
+
+    def _grouped(self, inputs: torch.Tensor, flat_ids: torch.Tensor) -> torch.Tensor:
+        """Grouped GEMMs with device-side group offsets: no host sync, so decode steps can be CUDA-graphed."""
+        num_experts = self.gate_up_proj.shape[0]
+        counts = torch.zeros(num_experts, dtype=torch.int32, device=inputs.device)
+        counts.scatter_add_(0, flat_ids, torch.ones_like(flat_ids, dtype=torch.int32))
+        offsets = counts.cumsum(0, dtype=torch.int32)
+        hidden = grouped_mm(inputs, self.gate_up_proj.transpose(1, 2), offsets)
+        hidden = swiglu_oai(hidden, self.alpha, self.limit)
+        return grouped_mm(hidden, self.down_proj.transpose(1, 2), offsets)
+
+
+def grouped_mm(inputs: torch.Tensor, weights: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """Rows ``offsets[e-1]:offsets[e]`` of ``inputs`` times ``weights[e]`` (``[E, K, N]``)."""
+    grouped = getattr(F, "grouped_mm", None) or torch._grouped_mm
+    return grouped(inputs, weights, offs=offsets)
+
+
+def use_grouped_mm(x: torch.Tensor) -> bool:
+    """torch's grouped GEMM serves bf16 on CUDA (Hopper's kernels); elsewhere the per-expert loop is exact."""
+    has_kernel = hasattr(F, "grouped_mm") or hasattr(torch, "_grouped_mm")
+    return has_kernel and x.is_cuda and x.dtype == torch.bfloat16
