@@ -17,7 +17,9 @@ from m3stack.engine.attention.reference import ReferenceAttentionBackend
 from m3stack.engine.kv_cache.tensors import KVCacheSpec, LayerKVCache, allocate_kv_cache
 from m3stack.engine.model.config import M3Config
 from m3stack.engine.model.loader import load_model
+from m3stack.engine.model.model import M3ForServing
 from m3stack.engine.runtime.config import EngineConfig, ModelInfo, model_folder
+from m3stack.engine.runtime.cuda_graphs import DecodeGraphs
 from m3stack.engine.runtime.encoder_cache import EncoderCache
 from m3stack.engine.runtime.engine_core import EngineCore
 from m3stack.engine.runtime.kv_cache_manager import KVCacheManager
@@ -66,6 +68,7 @@ def make_attention_backend(kv_caches: list[LayerKVCache], config: M3Config, devi
 
 
 def build_engine_core(config: EngineConfig) -> EngineCore:
+    """Load ``config.model`` and assemble the engine around it."""
     device = resolve_device(config.device)
     dtype = resolve_dtype(config.dtype, device)
     folder = model_folder(config.model)
@@ -74,15 +77,69 @@ def build_engine_core(config: EngineConfig) -> EngineCore:
     torch.manual_seed(config.seed)
     logger.info("loading %s on %s (%s)", folder, device, str(dtype).removeprefix("torch."))
     model, m3 = load_model(folder, device, dtype)
-    spec = model.kv_cache_spec(dtype)
-    block_size = spec.block_size
-    encoder_embeds = config.encoder_cache_embeds or max(config.max_num_batched_tokens, DEFAULT_ENCODER_CACHE_EMBEDS)
+    return assemble_engine_core(config, model, m3, model_path=str(folder), device=device, dtype=dtype)
 
-    def assemble(num_blocks: int, max_model_len: int, cuda_graphs: bool) -> EngineCore:
-        kv_caches = allocate_kv_cache(spec, num_blocks, device)
-        backend = make_attention_backend(kv_caches, m3, device)
-        info = _model_info(config, folder, m3, max_model_len, block_size, num_blocks, dtype, device)
-        encoder_cache = EncoderCache(encoder_embeds)
+
+def assemble_engine_core(
+    config: EngineConfig,
+    model: M3ForServing,
+    m3: M3Config,
+    *,
+    model_path: str,
+    device: torch.device,
+    dtype: torch.dtype,
+) -> EngineCore:
+    """Size and allocate the KV cache for a loaded model, then build the scheduler, runner and core around it."""
+    parts = _Parts(config, model, m3, model_path, device, dtype)
+    num_blocks = _num_kv_blocks(config, parts.spec, device, parts)
+    block_size = parts.spec.block_size
+    capacity = (num_blocks - 1) * block_size
+    limit = m3.text.max_position_embeddings
+    max_model_len = config.max_model_len or min(limit, capacity)
+    if max_model_len > limit:
+        raise ValueError(f"--max-model-len {max_model_len} exceeds the model's max_position_embeddings {limit}")
+    if max_model_len > capacity:
+        raise ValueError(
+            f"--max-model-len {max_model_len} exceeds the KV cache capacity of {capacity} tokens "
+            f"({num_blocks - 1} blocks of {block_size}); lower it or give the KV cache more memory"
+        )
+    use_graphs = config.cuda_graphs and device.type == "cuda"
+    core = parts.core(num_blocks, max_model_len, use_graphs)
+    if use_graphs:
+        core.runner.decode_graphs.capture()
+    logger.info(
+        "KV cache: %d blocks x %d tokens = %d tokens (%.2f GiB); context limit %d",
+        num_blocks - 1,
+        block_size,
+        capacity,
+        num_blocks * parts.spec.bytes_per_page / 2**30,
+        max_model_len,
+    )
+    return core
+
+
+class _Parts:
+    """Builds an ``EngineCore`` for a given KV size (the real one, or a small one to profile a step)."""
+
+    def __init__(self, config: EngineConfig, model: M3ForServing, m3: M3Config, model_path: str,
+                 device: torch.device, dtype: torch.dtype) -> None:  # fmt: skip
+        self.config = config
+        self.model = model
+        self.m3 = m3
+        self.model_path = model_path
+        self.device = device
+        self.dtype = dtype
+        self.spec = model.kv_cache_spec(dtype)
+
+    def core(self, num_blocks: int, max_model_len: int, cuda_graphs: bool) -> EngineCore:
+        config, block_size = self.config, self.spec.block_size
+        kv_caches = allocate_kv_cache(self.spec, num_blocks, self.device)
+        backend = make_attention_backend(kv_caches, self.m3, self.device)
+        info = _model_info(config, self.model_path, self.m3, max_model_len, block_size, num_blocks, self.dtype,
+                           self.device)  # fmt: skip
+        encoder_cache = EncoderCache(
+            config.encoder_cache_embeds or max(config.max_num_batched_tokens, DEFAULT_ENCODER_CACHE_EMBEDS)
+        )
         scheduler = Scheduler(
             SchedulerConfig(
                 max_model_len=max_model_len,
@@ -96,61 +153,21 @@ def build_engine_core(config: EngineConfig) -> EngineCore:
         )
         graphs = None
         if cuda_graphs:
-            from m3stack.engine.runtime.cuda_graphs import DecodeGraphs
-
-            graphs = DecodeGraphs(
-                model,
-                backend,
-                device,
-                block_size=block_size,
-                max_batch=config.max_num_seqs,
-                max_model_len=max_model_len,
-            )
-        runner = ModelRunner(
-            model,
-            backend,
-            encoder_cache,
-            block_size=block_size,
-            vocab_size=m3.text.vocab_size,
-            device=device,
-            dtype=dtype,
-            decode_graphs=graphs,
-        )
+            graphs = DecodeGraphs(self.model, backend, self.device, block_size=block_size,
+                                  max_batch=config.max_num_seqs, max_model_len=max_model_len)  # fmt: skip
+        runner = ModelRunner(self.model, backend, encoder_cache, block_size=block_size,
+                             vocab_size=self.m3.text.vocab_size, device=self.device, dtype=self.dtype,
+                             decode_graphs=graphs)  # fmt: skip
         return EngineCore(info, scheduler, runner)
 
-    num_blocks = _num_kv_blocks(config, spec, device, assemble)
-    capacity = (num_blocks - 1) * block_size
-    limit = m3.text.max_position_embeddings
-    max_model_len = config.max_model_len or min(limit, capacity)
-    if max_model_len > limit:
-        raise ValueError(f"--max-model-len {max_model_len} exceeds the model's max_position_embeddings {limit}")
-    if max_model_len > capacity:
-        raise ValueError(
-            f"--max-model-len {max_model_len} exceeds the KV cache capacity of {capacity} tokens "
-            f"({num_blocks - 1} blocks of {block_size}); lower it or give the KV cache more memory"
-        )
-    use_graphs = config.cuda_graphs and device.type == "cuda"
-    core = assemble(num_blocks, max_model_len, use_graphs)
-    if use_graphs:
-        core.runner.decode_graphs.capture()
-    logger.info(
-        "KV cache: %d blocks x %d tokens = %d tokens (%.2f GiB); context limit %d",
-        num_blocks - 1,
-        block_size,
-        capacity,
-        num_blocks * spec.bytes_per_page / 2**30,
-        max_model_len,
-    )
-    return core
 
-
-def _num_kv_blocks(config: EngineConfig, spec: KVCacheSpec, device: torch.device, assemble) -> int:
+def _num_kv_blocks(config: EngineConfig, spec: KVCacheSpec, device: torch.device, parts: _Parts) -> int:
     if config.num_kv_blocks is not None:
         return config.num_kv_blocks + 1  # plus the reserved null block
     if config.kv_cache_gb is not None or device.type != "cuda":
         budget = (config.kv_cache_gb or CPU_DEFAULT_KV_GB) * 2**30
     else:
-        peak = _profile_step_bytes(config, spec, assemble)
+        peak = _profile_step_bytes(config, spec, parts)
         free, total = torch.cuda.mem_get_info(device)
         budget = total * config.gpu_memory_utilization - (total - free) - peak
         logger.info(
@@ -165,7 +182,7 @@ def _num_kv_blocks(config: EngineConfig, spec: KVCacheSpec, device: torch.device
     return num_blocks
 
 
-def _profile_step_bytes(config: EngineConfig, spec: KVCacheSpec, assemble) -> int:
+def _profile_step_bytes(config: EngineConfig, spec: KVCacheSpec, parts: _Parts) -> int:
     """Peak device bytes one full step allocates beyond the weights (activations, logits, sampling)."""
     tokens = config.max_num_batched_tokens
     num_requests = min(config.max_num_seqs, tokens)
@@ -175,7 +192,7 @@ def _profile_step_bytes(config: EngineConfig, spec: KVCacheSpec, assemble) -> in
     torch.cuda.empty_cache()
     before = torch.cuda.memory_allocated()
     torch.cuda.reset_peak_memory_stats()
-    core = assemble(blocks, per_request + 1, False)
+    core = parts.core(blocks, per_request + 1, False)
     cache_bytes = torch.cuda.memory_allocated() - before
     for index in range(num_requests):
         core.add_request(
@@ -191,7 +208,7 @@ def _profile_step_bytes(config: EngineConfig, spec: KVCacheSpec, assemble) -> in
 
 def _model_info(
     config: EngineConfig,
-    folder: Path,
+    model_path: str,
     m3: M3Config,
     max_model_len: int,
     block_size: int,
@@ -200,8 +217,8 @@ def _model_info(
     device: torch.device,
 ) -> ModelInfo:
     return ModelInfo(
-        model_path=str(folder),
-        served_model_name=config.served_model_name or folder.name,
+        model_path=model_path,
+        served_model_name=config.served_model_name or Path(model_path).name,
         model_type="minimax_m3_vl",
         vocab_size=m3.text.vocab_size,
         max_model_len=max_model_len,

@@ -9,7 +9,8 @@ model forward and the LM head; sampling runs after it, eagerly.
 
 The attention backend must say it can be captured (``supports_cuda_graphs = True``): its
 ``begin_step`` must leave every device tensor its kernels read at addresses fixed across steps of
-one batch size, and launch grids that do not depend on the step's lengths.  Otherwise decode runs
+one batch size, and launch grids that do not depend on the step's lengths.  The model's decode
+forward must not synchronize with the host (capture fails if it does).  Otherwise decode runs
 eagerly and a warning says why.
 """
 
@@ -124,17 +125,27 @@ class DecodeGraphs:
 
     @torch.inference_mode()
     def capture(self) -> None:
+        """Capture every size; on any failure (e.g. a layer that synchronizes with the host) decode stays eager."""
         if not getattr(self.backend, "supports_cuda_graphs", False):
             logger.warning(
                 "%s does not declare supports_cuda_graphs: decode steps run eagerly", type(self.backend).__name__
             )
             return
+        try:
+            self._capture_all()
+        except RuntimeError as exc:
+            self.graphs.clear()
+            self.logits.clear()
+            torch.cuda.synchronize()
+            logger.warning("CUDA graph capture failed, decode steps run eagerly: %s", exc)
+            return
+        logger.info("captured decode CUDA graphs for batch sizes %s", self.sizes)
+
+    def _capture_all(self) -> None:
         pool = torch.cuda.graph_pool_handle()
         stream = torch.cuda.Stream()
-        buffers = self.buffers
         for size in reversed(self.sizes):  # largest first, so smaller graphs reuse its pool memory
-            metadata = buffers.metadata(size)
-            self.backend.begin_step(metadata)
+            self.backend.begin_step(self.buffers.metadata(size))
             stream.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(stream):  # warm-up outside capture (allocator, autotuning, lazy init)
                 self._forward(size)
@@ -144,20 +155,21 @@ class DecodeGraphs:
                 self.logits[size] = self._forward(size)
             self.graphs[size] = graph
         torch.cuda.synchronize()
-        logger.info("captured decode CUDA graphs for batch sizes %s", self.sizes)
 
     def _forward(self, size: int) -> torch.Tensor:
         buffers = self.buffers
         hidden = self.model.forward(buffers.input_ids[:size], buffers.positions[:size], self.backend, None, None)
         return self.model.compute_logits(hidden)
 
-    def run(self, host: HostInputs) -> torch.Tensor | None:
-        """Logits ``[R, V]`` of a decode step by graph replay, or None when the step is not graph-able."""
+    def prepare(self, host: HostInputs) -> int | None:
+        """Stage a decode step and plan its attention; the padded size to replay, or None when not graph-able."""
         if not self.graphs or not self.buffers.fits(host):
             return None
-        count = len(host.seq_lens)
-        size = next(s for s in self.sizes if s >= count)
-        metadata = self.buffers.stage(host, size)
-        self.backend.begin_step(metadata)
+        size = next(s for s in self.sizes if s >= len(host.seq_lens))
+        self.backend.begin_step(self.buffers.stage(host, size))
+        return size
+
+    def replay(self, size: int, num_requests: int) -> torch.Tensor:
+        """Logits ``[num_requests, V]`` of the step staged by ``prepare``."""
         self.graphs[size].replay()
-        return self.logits[size][:count]
+        return self.logits[size][:num_requests]

@@ -61,6 +61,9 @@ class StepReport:
     num_tokens: int
     is_pure_decode: bool
     seconds: float
+    schedule_s: float = 0.0
+    execute_s: float = 0.0
+    update_s: float = 0.0
 
 
 class EngineCore:
@@ -92,8 +95,9 @@ class EngineCore:
     def step(self) -> StepReport:
         start = time.perf_counter()
         out = self.scheduler.schedule()
+        scheduled = time.perf_counter()
         if out.is_empty:
-            return StepReport([], 0, 0, False, time.perf_counter() - start)
+            return StepReport([], 0, 0, False, scheduled - start, schedule_s=scheduled - start)
         self.num_steps += 1
         try:
             sampled = self.runner.execute(out)
@@ -105,17 +109,30 @@ class EngineCore:
                 for s in out.requests
                 if any(m.content_hash in failure.content_hashes for m in s.request.mm_inputs)
             ]
+            sampled = None
             outputs = self._fail(failed, error)
         except Exception as exc:
             logger.exception("step failed; ending its %d requests", len(out.requests))
+            sampled = None
             outputs = self._fail(
                 [s.request.request_id for s in out.requests],
                 EngineError(f"the engine step failed: {type(exc).__name__}: {exc}"),
             )
-        else:
+        executed = time.perf_counter()
+        if sampled is not None:
             outputs = self.scheduler.update(out, sampled)
+        end = time.perf_counter()
         is_decode = all(s.num_new_tokens == 1 and s.samples for s in out.requests)
-        return StepReport(outputs, len(out.requests), out.num_tokens, is_decode, time.perf_counter() - start)
+        return StepReport(
+            outputs,
+            len(out.requests),
+            out.num_tokens,
+            is_decode,
+            end - start,
+            schedule_s=scheduled - start,
+            execute_s=executed - scheduled,
+            update_s=end - executed,
+        )
 
     def _fail(self, request_ids: list[str], error: EngineError) -> list[RequestOutput]:
         outputs = []

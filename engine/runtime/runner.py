@@ -6,16 +6,19 @@ model, and samples on the device.  Pure-decode batches replay a captured CUDA gr
 """
 
 import logging
-from typing import Any, Protocol
+import time
+from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
 from m3stack.engine.attention.backend import AttentionBackend
+from m3stack.engine.runtime.cuda_graphs import DecodeGraphs
 from m3stack.engine.runtime.encoder_cache import EncoderCache
 from m3stack.engine.runtime.engine_core import EncoderError
-from m3stack.engine.runtime.inputs import build_host_inputs, to_device
+from m3stack.engine.runtime.inputs import HostInputs, build_host_inputs, to_device
 from m3stack.engine.runtime.request import Modality, MultimodalInput, SampledToken
-from m3stack.engine.runtime.sampler import build_sampling_batch, sample
+from m3stack.engine.runtime.sampler import build_sampling_batch, sample_on_device
 from m3stack.engine.runtime.scheduler import SchedulerOutput
 
 logger = logging.getLogger(__name__)
@@ -40,6 +43,14 @@ class ServingModel(Protocol):
         ...
 
 
+@dataclass
+class RunnerTiming:
+    """Where one ``execute`` spent its time (filled when ``ModelRunner.timing`` is on)."""
+
+    prepare_s: float = 0.0  # host: inputs, staging, attention planning, up to the forward launch
+    gpu_s: float = 0.0  # device: from the forward launch to the end of sampling (CUDA events)
+
+
 class ModelRunner:
     def __init__(
         self,
@@ -51,7 +62,7 @@ class ModelRunner:
         vocab_size: int,
         device: torch.device,
         dtype: torch.dtype,
-        decode_graphs: Any = None,  # cuda_graphs.DecodeGraphs when graphs are on
+        decode_graphs: DecodeGraphs | None = None,
     ) -> None:
         self.model = model
         self.backend = backend
@@ -63,29 +74,59 @@ class ModelRunner:
         self.decode_graphs = decode_graphs
         self.num_graph_steps = 0
         self.num_eager_steps = 0
+        # Per-step timing with CUDA events (benchmarks); off by default, it costs two event records.
+        self.timing = False
+        self.last_timing = RunnerTiming()
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> dict[str, SampledToken]:
+        start = time.perf_counter()
         self._encode(out.encoder_items)
         host = build_host_inputs(out, self.block_size)
-        logits = None
-        if self.decode_graphs is not None and not host.mm_slices:
-            logits = self.decode_graphs.run(host)
-        if logits is not None:
-            self.num_graph_steps += 1
-        else:
-            self.num_eager_steps += 1
-            inputs = to_device(host, self.block_size, self.device, self.encoder_cache)
-            self.backend.begin_step(inputs.metadata)
-            hidden = self.model.forward(
-                inputs.input_ids, inputs.positions, self.backend, inputs.mm_rows, inputs.mm_embeds
-            )
-            logits = self.model.compute_logits(hidden[inputs.logits_rows]) if len(host.logits_rows) else None
+        events = self._events()
+        logits, prepare_s = self._forward(host, start, events[0] if events else None)
         if not host.sampling_requests:
             return {}
         batch = build_sampling_batch(host.sampling_requests, self.vocab_size, self.device)
-        tokens = sample(logits, batch)
+        on_device = sample_on_device(logits, batch)
+        if events:
+            events[1].record()
+        tokens = on_device.to_host(batch)
+        if self.timing:
+            gpu_s = events[0].elapsed_time(events[1]) / 1e3 if events else 0.0
+            self.last_timing = RunnerTiming(prepare_s, gpu_s)
         return {request.request_id: token for request, token in zip(host.sampling_requests, tokens, strict=True)}
+
+    def _forward(
+        self, host: HostInputs, start: float, launched: torch.cuda.Event | None
+    ) -> tuple[torch.Tensor | None, float]:
+        """Logits of the sampling rows (graph replay for plain decode when possible) and the host prepare time.
+
+        ``launched`` is recorded right before the forward is launched, after all host-side preparation.
+        """
+        if self.decode_graphs is not None and not host.mm_slices:
+            size = self.decode_graphs.prepare(host)
+            if size is not None:
+                self.num_graph_steps += 1
+                prepare_s = time.perf_counter() - start
+                if launched is not None:
+                    launched.record()
+                return self.decode_graphs.replay(size, len(host.seq_lens)), prepare_s
+        self.num_eager_steps += 1
+        inputs = to_device(host, self.block_size, self.device, self.encoder_cache)
+        self.backend.begin_step(inputs.metadata)
+        prepare_s = time.perf_counter() - start
+        if launched is not None:
+            launched.record()
+        hidden = self.model.forward(inputs.input_ids, inputs.positions, self.backend, inputs.mm_rows, inputs.mm_embeds)
+        if not len(host.logits_rows):
+            return None, prepare_s
+        return self.model.compute_logits(hidden[inputs.logits_rows]), prepare_s
+
+    def _events(self) -> tuple[torch.cuda.Event, torch.cuda.Event] | None:
+        if not self.timing or self.device.type != "cuda":
+            return None
+        return torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
 
     def _encode(self, items: list[MultimodalInput]) -> None:
         """Run the vision tower on each new item; a failing item fails only the requests carrying it."""

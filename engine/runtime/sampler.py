@@ -106,8 +106,35 @@ def _random_sample(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     return (probs / noise).argmax(dim=-1)
 
 
-def sample(logits: torch.Tensor, batch: SamplingBatch) -> list[SampledToken]:
-    """Sample one token per row of ``logits`` ([n, V] float32); returns host-side results."""
+@dataclass
+class DeviceSample:
+    """A step's sampling results still on the device (``to_host`` synchronizes)."""
+
+    token_ids: torch.Tensor  # [n] int64
+    chosen_logprobs: torch.Tensor | None  # [n]
+    top_logprobs: torch.Tensor | None  # [n, k]
+    top_ids: torch.Tensor | None  # [n, k]
+
+    def to_host(self, batch: SamplingBatch) -> list[SampledToken]:
+        results = [SampledToken(token_id=t) for t in self.token_ids.tolist()]
+        if self.chosen_logprobs is None:
+            return results
+        chosen = self.chosen_logprobs.tolist()
+        top_values = self.top_logprobs.tolist() if self.top_logprobs is not None else []
+        top_ids = self.top_ids.tolist() if self.top_ids is not None else []
+        for row, result in enumerate(results):
+            if not batch.wants_logprobs[row]:
+                continue
+            result.logprob = chosen[row]
+            count = batch.num_top_logprobs[row]
+            if count:
+                result.top_token_ids = top_ids[row][:count]
+                result.top_logprobs = top_values[row][:count]
+        return results
+
+
+def sample_on_device(logits: torch.Tensor, batch: SamplingBatch) -> DeviceSample:
+    """Launch the sampling of one token per row of ``logits`` ([n, V] float32) without waiting for it."""
     logprobs = None
     if any(batch.wants_logprobs):
         logprobs = logits.log_softmax(dim=-1)
@@ -117,23 +144,16 @@ def sample(logits: torch.Tensor, batch: SamplingBatch) -> list[SampledToken]:
     token_ids = logits.argmax(dim=-1)
     if not batch.all_greedy:
         token_ids = torch.where(batch.greedy, token_ids, _random_sample(logits, batch))
-
-    results = [SampledToken(token_id=t) for t in token_ids.tolist()]
     if logprobs is None:
-        return results
-    chosen = logprobs.gather(-1, token_ids[:, None]).squeeze(-1).tolist()
+        return DeviceSample(token_ids, None, None, None)
+    chosen = logprobs.gather(-1, token_ids[:, None]).squeeze(-1)
     max_top = max(batch.num_top_logprobs)
-    top_values: list[list[float]] = []
-    top_ids: list[list[int]] = []
-    if max_top:
-        values, ids = logprobs.topk(max_top, dim=-1)
-        top_values, top_ids = values.tolist(), ids.tolist()
-    for row, result in enumerate(results):
-        if not batch.wants_logprobs[row]:
-            continue
-        result.logprob = chosen[row]
-        count = batch.num_top_logprobs[row]
-        if count:
-            result.top_token_ids = top_ids[row][:count]
-            result.top_logprobs = top_values[row][:count]
-    return results
+    if not max_top:
+        return DeviceSample(token_ids, chosen, None, None)
+    values, ids = logprobs.topk(max_top, dim=-1)
+    return DeviceSample(token_ids, chosen, values, ids)
+
+
+def sample(logits: torch.Tensor, batch: SamplingBatch) -> list[SampledToken]:
+    """Sample one token per row of ``logits`` ([n, V] float32); returns host-side results."""
+    return sample_on_device(logits, batch).to_host(batch)
