@@ -9,6 +9,7 @@ import warnings
 from dataclasses import dataclass
 
 import numpy as np
+import simplejpeg
 from PIL import Image, ImageOps, UnidentifiedImageError
 
 from .errors import MediaError
@@ -40,14 +41,38 @@ def probe_image(data: bytes, formats: tuple[str, ...] = DEFAULT_IMAGE_FORMATS) -
 def decode_image(data: bytes, formats: tuple[str, ...] = DEFAULT_IMAGE_FORMATS) -> np.ndarray:
     """Upright ``[H, W, 3]`` uint8 RGB; callers check the header's size against their limits first."""
     with _open(data, formats) as image:
+        orientation = _orientation(image)
+        if image.format == "JPEG" and image.mode in ("RGB", "L"):
+            # libjpeg-turbo straight into numpy: the same pixels as Pillow's decode, without its copies.
+            return _orient(_decode_jpeg(data), orientation)
         try:
             image.load()
-            upright = ImageOps.exif_transpose(image)
-        except MediaError:
-            raise
+            if orientation != 1:
+                image = ImageOps.exif_transpose(image)
         except Exception as exc:  # Pillow raises OSError, SyntaxError, ValueError... for bad data
             raise MediaError(f"the {image.format or 'image'} data is corrupt or truncated ({exc})") from None
-        return _to_rgb(upright)
+        return _to_rgb(image)
+
+
+def _decode_jpeg(data: bytes) -> np.ndarray:
+    try:
+        return simplejpeg.decode_jpeg(data, colorspace="RGB", fastdct=False, fastupsample=False, strict=True)
+    except (ValueError, RuntimeError) as exc:
+        raise MediaError(f"the JPEG data is corrupt or truncated ({exc})") from None
+
+
+def _orient(rgb: np.ndarray, orientation: int) -> np.ndarray:
+    """EXIF orientation 1..8 applied as Pillow's ``exif_transpose`` does (a contiguous copy when it moves pixels)."""
+    flips = {
+        2: lambda a: a[:, ::-1],
+        3: lambda a: a[::-1, ::-1],
+        4: lambda a: a[::-1],
+        5: lambda a: a.transpose(1, 0, 2),
+        6: lambda a: np.rot90(a, -1),
+        7: lambda a: a[::-1, ::-1].transpose(1, 0, 2),
+        8: lambda a: np.rot90(a, 1),
+    }
+    return np.ascontiguousarray(flips[orientation](rgb)) if orientation in flips else rgb
 
 
 def _open(data: bytes, formats: tuple[str, ...]) -> Image.Image:

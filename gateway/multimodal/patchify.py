@@ -26,15 +26,20 @@ def patchify_into(frames: np.ndarray, out: np.ndarray, patch: int, merge: int, t
     if out.shape != expected or out.dtype != frames.dtype:
         raise ValueError(f"output is {out.shape} {out.dtype}, expected {expected} {frames.dtype}")
     target = out.reshape(grid_t, grid_h // merge, grid_w // merge, merge, merge, channels, temporal, patch, patch)
-    for step in range(temporal):
-        if count == 1:
-            source = frames  # a still image: every temporal slot is the image itself
-        elif count == grid_t * temporal:
-            source = frames[step::temporal]
-        else:  # the slots past the last frame repeat it
-            source = frames[np.minimum(np.arange(grid_t) * temporal + step, count - 1)]
-        blocks = source.reshape(grid_t, grid_h // merge, merge, patch, grid_w // merge, merge, patch, channels)
-        target[:, :, :, :, :, :, step] = blocks.transpose(0, 1, 4, 2, 5, 7, 3, 6)
+    blocks = (grid_h // merge, merge, patch, grid_w // merge, merge, patch, channels)
+    # (group, temporal, hb, mh, py, wb, mw, px, c) -> (group, hb, wb, mh, mw, c, temporal, py, px)
+    order = (0, 2, 5, 3, 6, 8, 1, 4, 7)
+    full = count // temporal
+    if full:
+        target[:full] = frames[: full * temporal].reshape(full, temporal, *blocks).transpose(order)
+    if full < grid_t:
+        # The last group lacks frames: repeat the last one (an image is one frame in every slot).
+        rest = frames[full * temporal :]  # 1 .. temporal - 1 frames
+        if len(rest) == 1:  # broadcast, no copy
+            tail = np.broadcast_to(rest, (temporal, *frames.shape[1:]))
+        else:
+            tail = np.concatenate([rest, np.broadcast_to(rest[-1:], (temporal - len(rest), *frames.shape[1:]))])
+        target[full:] = tail.reshape(1, temporal, *blocks).transpose(order)
 
 
 def normalization_table(mean: Sequence[float], std: Sequence[float], rescale_factor: float) -> np.ndarray:

@@ -72,7 +72,8 @@ def resolve_backend(backend: ResizeBackend) -> ResizeBackend:
 
 
 def resize_frames(frames: np.ndarray, height: int, width: int, backend: ResizeBackend) -> np.ndarray:
-    """``[N, H, W, 3]`` uint8 -> ``[N, height, width, 3]`` uint8 (the input itself when the size is unchanged)."""
+    """``[N, H, W, 3]`` uint8 -> ``[N, height, width, 3]`` uint8, possibly a strided view (the input itself
+    when the size is unchanged)."""
     if frames.shape[1:3] == (height, width):
         return frames
     if resolve_backend(backend) is ResizeBackend.TORCH:
@@ -93,7 +94,8 @@ def _resize_torch(frames: np.ndarray, height: int, width: int) -> np.ndarray:
         # A channels-last view: the uint8 kernel runs on that layout without repacking.
         source = torch.from_numpy(np.ascontiguousarray(frames)).permute(0, 3, 1, 2)
     resized = interpolate(source, size=(height, width), mode="bicubic", align_corners=False, antialias=True)
-    return resized.permute(0, 2, 3, 1).contiguous().numpy()
+    # A strided view, not a copy: patchify reads it in its own order anyway.
+    return resized.permute(0, 2, 3, 1).numpy()
 
 
 def _resize_pillow(frame: np.ndarray, height: int, width: int) -> np.ndarray:

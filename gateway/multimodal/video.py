@@ -134,13 +134,18 @@ def _sparse_frames(
     targets = set(pending)
     context = stream.codec_context
     for segment in segments:
-        wanted = set(segment.target_pts)
+        wanted, unfed = set(segment.target_pts), set(segment.target_pts)
         container.seek(segment.seek_pts, stream=stream, backward=True, any_frame=False)
-        # The last packet demux yields is empty: decoding it drains the decoder's reordering delay.
         for packet in container.demux(stream):
             # Non-reference frames that are not sampled are needed by nobody: the decoder drops them.
             context.skip_frame = "DEFAULT" if packet.pts in targets or packet.pts is None else "NONREF"
-            for frame in _decode(packet):
+            decoded = _decode(packet)
+            unfed.discard(packet.pts)
+            if not unfed and wanted:
+                # Every target's packet (and so everything it references) is in the decoder: drain its
+                # reordering delay instead of decoding further packets.  The next seek resets it.
+                decoded += _drain(context)
+            for frame in decoded:
                 if frame.pts in wanted:
                     wanted.discard(frame.pts)
                     yield frame
@@ -152,6 +157,13 @@ def _sparse_frames(
 def _decode(packet: av.Packet) -> list[av.VideoFrame]:
     try:
         return packet.decode()
+    except av.FFmpegError as exc:
+        raise MediaError(f"the video stream is corrupt ({exc})") from None
+
+
+def _drain(context: av.VideoCodecContext) -> list[av.VideoFrame]:
+    try:
+        return context.decode(None)
     except av.FFmpegError as exc:
         raise MediaError(f"the video stream is corrupt ({exc})") from None
 

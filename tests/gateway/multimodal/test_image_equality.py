@@ -37,6 +37,11 @@ CASES = {
     "exif-rotate-180-jpeg": (300, 500, "JPEG", None, 3),
     "exif-rotate-270-jpeg": (300, 500, "JPEG", None, 8),
     "exif-mirror-transpose-jpeg": (300, 500, "JPEG", None, 5),
+    "exif-mirror-jpeg": (300, 500, "JPEG", None, 2),
+    "exif-flip-jpeg": (300, 500, "JPEG", None, 4),
+    "exif-transverse-jpeg": (300, 500, "JPEG", None, 7),
+    "exif-rotate-90-png": (120, 200, "PNG", None, 6),
+    "cmyk-jpeg": (200, 260, "JPEG", "CMYK", None),
 }
 
 
