@@ -47,11 +47,10 @@ def decode_image(data: bytes, formats: tuple[str, ...] = DEFAULT_IMAGE_FORMATS) 
             return _orient(_decode_jpeg(data), orientation)
         try:
             image.load()
-            if orientation != 1:
-                image = ImageOps.exif_transpose(image)
+            upright = ImageOps.exif_transpose(image) if orientation != 1 else image
         except Exception as exc:  # Pillow raises OSError, SyntaxError, ValueError... for bad data
             raise MediaError(f"the {image.format or 'image'} data is corrupt or truncated ({exc})") from None
-        return _to_rgb(image)
+        return _to_rgb(upright)
 
 
 def _decode_jpeg(data: bytes) -> np.ndarray:
