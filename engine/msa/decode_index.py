@@ -198,6 +198,55 @@ def check_decode_inputs(index_q: torch.Tensor, index_key_cache: torch.Tensor, me
         raise ValueError(f"index_head_dim must be a power of two >= 16, got {shape.index_head_dim}")
 
 
+def scan_index_pages(
+    index_q: torch.Tensor,
+    index_key_cache: torch.Tensor,
+    metadata: AttentionMetadata,
+    plan: SparseDecodePlan,
+    config: ScanConfig | None = None,
+) -> torch.Tensor:
+    """Step 1: every (request, split)'s best candidates, packed: ``[R, splits, N, KP]`` int64."""
+    check_decode_inputs(index_q, index_key_cache, metadata, plan)
+    config = config or ScanConfig()
+    shape = plan.shape
+    num_heads, head_dim = index_q.shape[1:]
+    columns = max(16, triton.next_power_of_2(num_heads * plan.max_query_len))
+    slots = triton.next_power_of_2(max(shape.topk - 1, 1))
+    splits = plan.scan_splits
+    partial = torch.empty((plan.num_requests, splits, columns, slots), dtype=torch.int64, device=index_q.device)
+    if plan.num_requests == 0:
+        return partial
+    _scan_kernel[(splits, plan.num_requests)](
+        index_q, index_key_cache, metadata.page_table, metadata.query_start_loc, metadata.seq_lens, partial,
+        index_q.stride(0), index_q.stride(1), index_key_cache.stride(0), index_key_cache.stride(1),
+        metadata.page_table.stride(0), splits,
+        HIDX=num_heads, D=head_dim, B=shape.block_size, N=columns, KP=slots, LOCAL=shape.local_blocks,
+        PAGES=config.pages_per_iteration, INPUT_PRECISION="ieee" if index_q.dtype == torch.float32 else "tf32",
+        num_warps=config.num_warps, num_stages=config.num_stages,
+    )  # fmt: skip
+    return partial
+
+
+def merge_selection(partial: torch.Tensor, metadata: AttentionMetadata, plan: SparseDecodePlan) -> torch.Tensor:
+    """Step 2: each row's final selection from ``scan_index_pages``' candidates; fills ``plan.page_ids``
+    and returns the logical block ids ``[Hidx, T, topk]`` int32."""
+    shape = plan.shape
+    num_tokens, num_heads = plan.num_tokens, shape.num_kv_heads
+    selected = torch.empty((num_heads, num_tokens, shape.topk), dtype=torch.int32, device=partial.device)
+    if num_tokens == 0:
+        return selected
+    _, splits, columns, slots = partial.shape
+    splits_padded = triton.next_power_of_2(splits)
+    _merge_kernel[(num_tokens, num_heads)](
+        partial, plan.token_request, metadata.query_start_loc, metadata.positions, metadata.page_table,
+        plan.row_indptr, selected, plan.page_ids, num_tokens, splits, metadata.page_table.stride(0),
+        HIDX=num_heads, B=shape.block_size, N=columns, KP=slots, SP=splits_padded,
+        TOPK=shape.topk, TOPK_P=triton.next_power_of_2(shape.topk), LOCAL=shape.local_blocks,
+        num_warps=4 if splits_padded * slots <= 4096 else 8,  # ~32 candidates (64 registers) per thread
+    )  # fmt: skip
+    return selected
+
+
 def decode_index_topk(
     index_q: torch.Tensor,
     index_key_cache: torch.Tensor,
@@ -211,30 +260,5 @@ def decode_index_topk(
     ``index_key_cache`` ``[num_pages, B, d]`` already holds this step's index keys.  Returns the
     logical block ids ``[Hidx, T, topk]`` int32 (layout of ``reference.index_block_topk``).
     """
-    check_decode_inputs(index_q, index_key_cache, metadata, plan)
-    config = config or ScanConfig()
-    shape = plan.shape
-    num_tokens, num_heads, head_dim = index_q.shape
-    device = index_q.device
-    selected = torch.empty((num_heads, num_tokens, shape.topk), dtype=torch.int32, device=device)
-    if num_tokens == 0:
-        return selected
-    columns = max(16, triton.next_power_of_2(num_heads * plan.max_query_len))
-    slots = triton.next_power_of_2(max(shape.topk - 1, 1))
-    splits = plan.scan_splits
-    partial = torch.empty((plan.num_requests, splits, columns, slots), dtype=torch.int64, device=device)
-    _scan_kernel[(splits, plan.num_requests)](
-        index_q, index_key_cache, metadata.page_table, metadata.query_start_loc, metadata.seq_lens, partial,
-        index_q.stride(0), index_q.stride(1), index_key_cache.stride(0), index_key_cache.stride(1),
-        metadata.page_table.stride(0), splits,
-        HIDX=num_heads, D=head_dim, B=shape.block_size, N=columns, KP=slots, LOCAL=shape.local_blocks,
-        PAGES=config.pages_per_iteration, INPUT_PRECISION="ieee" if index_q.dtype == torch.float32 else "tf32",
-        num_warps=config.num_warps, num_stages=config.num_stages,
-    )  # fmt: skip
-    _merge_kernel[(num_tokens, num_heads)](
-        partial, plan.token_request, metadata.query_start_loc, metadata.positions, metadata.page_table,
-        plan.row_indptr, selected, plan.page_ids, num_tokens, splits, metadata.page_table.stride(0),
-        HIDX=num_heads, B=shape.block_size, N=columns, KP=slots, SP=triton.next_power_of_2(splits),
-        TOPK=shape.topk, TOPK_P=triton.next_power_of_2(shape.topk), LOCAL=shape.local_blocks, num_warps=4,
-    )  # fmt: skip
-    return selected
+    partial = scan_index_pages(index_q, index_key_cache, metadata, plan, config)
+    return merge_selection(partial, metadata, plan)

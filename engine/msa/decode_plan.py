@@ -24,7 +24,7 @@ _SCAN_PROGRAMS_PER_SM = 4
 # Fewest index pages one scan program streams, so short contexts do not launch empty programs.
 _MIN_BLOCKS_PER_SPLIT = 8
 # Most splits of one request's index scan: the merge reads ``splits x 16`` candidates per row.
-MAX_SCAN_SPLITS = 256
+MAX_SCAN_SPLITS = 512
 
 
 @dataclass(frozen=True)

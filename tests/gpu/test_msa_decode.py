@@ -1,0 +1,183 @@
+"""MSA decode on the GPU at M3 attention dims (bf16) against the fp32 reference: the Triton indexer
+(several scan configurations), FlashInfer's flattened sparse decode and the Triton fallback, a CUDA
+graph replayed on new inputs, and the GPU backend against the reference backend over engine steps.
+
+The batch is ragged: contexts of 1 token, around block edges, mid-size and 300K, plus requests
+with several new tokens (MTP); unused cache slots are NaN and outputs start as NaN, so any read of
+an unwritten slot or any unwritten output shows.
+"""
+
+import pytest
+import torch
+
+from m3stack.engine.attention.gpu import GpuAttentionBackend
+from m3stack.engine.attention.reference import ReferenceAttentionBackend
+from m3stack.engine.kv_cache.tensors import KVCacheSpec, allocate_kv_cache
+from m3stack.engine.msa import reference
+from m3stack.engine.msa.decode_attention import FlashInferSparseDecode, sparse_decode_attention
+from m3stack.engine.msa.decode_index import ScanConfig, decode_index_topk
+from m3stack.engine.msa.decode_plan import SparseDecodeShape, plan_sparse_decode
+from tests.engine.attention.step_support import step_metadata
+from tests.engine.msa.prefill_support import PagedBatch, assert_selection_matches, paged_batch
+
+SHAPE = SparseDecodeShape(num_q_heads=64, num_kv_heads=4, head_dim=128, index_head_dim=128, block_size=128, topk=16,
+                          local_blocks=1)  # fmt: skip
+SCALE = SHAPE.head_dim**-0.5
+# bf16 products are exact in fp32; the kernel sums 128 of them in another order than the reference.
+SCORE_TOLERANCE = 2e-3
+OUT_TOLERANCE = 2e-2  # bf16 inputs and output against an fp32 reference
+REQUESTS = [(1, 1), (127, 1), (128, 1), (129, 1), (2049, 4), (5000, 1), (40000, 3), (70001, 1), (300000, 1)]
+
+
+@pytest.fixture(scope="module")
+def batch() -> tuple[PagedBatch, torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(2026)
+    paged = paged_batch(REQUESTS, num_kv_heads=SHAPE.num_kv_heads, head_dim=SHAPE.head_dim,
+                        index_dim=SHAPE.index_head_dim, block_size=SHAPE.block_size, dtype=torch.bfloat16,
+                        device="cuda", generator=generator)  # fmt: skip
+    tokens = paged.metadata.num_tokens
+    q = torch.randn(tokens, SHAPE.num_q_heads, SHAPE.head_dim, generator=generator).to("cuda", torch.bfloat16)
+    index_q = torch.randn(tokens, SHAPE.num_kv_heads, SHAPE.index_head_dim, generator=generator)
+    return paged, q, index_q.to("cuda", torch.bfloat16)
+
+
+def check_selection(paged: PagedBatch, index_q: torch.Tensor, selected: torch.Tensor) -> None:
+    for request, (start, stop) in enumerate(paged.token_ranges):
+        positions = paged.request_positions(request)
+        keys = paged.index_keys[request]
+        expected = reference.index_block_topk(index_q[start:stop], keys, positions, SHAPE.block_size, SHAPE.topk,
+                                              SHAPE.local_blocks)  # fmt: skip
+        scores = reference.block_scores(index_q[start:stop], keys, positions, SHAPE.block_size)
+        assert_selection_matches(selected[:, start:stop], expected, scores, SHAPE.local_blocks, SCORE_TOLERANCE)
+
+
+def check_attention(paged: PagedBatch, q: torch.Tensor, selected: torch.Tensor, out: torch.Tensor) -> None:
+    assert not out.isnan().any()
+    for request, (start, stop) in enumerate(paged.token_ranges):
+        expected = reference.sparse_attention(
+            q[start:stop], paged.keys[request], paged.values[request], paged.request_positions(request),
+            selected[:, start:stop], SHAPE.block_size, SCALE,
+        )  # fmt: skip
+        torch.testing.assert_close(out[start:stop].float(), expected, atol=OUT_TOLERANCE, rtol=OUT_TOLERANCE)
+
+
+@pytest.mark.parametrize(
+    ("config", "splits"),
+    [(ScanConfig(), None), (ScanConfig(2, 8, 3), 7), (ScanConfig(1, 8, 4), 512)],
+    ids=["default", "two-pages-7-splits", "8-warps-512-splits"],
+)
+def test_index_selection_and_page_ids(batch, config: ScanConfig, splits: int | None) -> None:
+    paged, _, index_q = batch
+    metadata = paged.metadata
+    plan = plan_sparse_decode(metadata, SHAPE, torch.device("cuda"), scan_splits=splits)
+    plan.page_ids.fill_(-7)
+    selected = decode_index_topk(index_q, paged.index_key_cache, metadata, plan, config)
+    check_selection(paged, index_q, selected)
+    assert not (plan.page_ids == -7).any()
+    token_request = plan.token_request.long()
+    for token in range(metadata.num_tokens):
+        for head in range(SHAPE.num_kv_heads):
+            row = token * SHAPE.num_kv_heads + head
+            pages = plan.page_ids[plan.row_indptr[row] : plan.row_indptr[row + 1]]
+            blocks = selected[head, token][selected[head, token] >= 0].long()
+            want = metadata.page_table[token_request[token], blocks] * SHAPE.num_kv_heads + head
+            assert torch.equal(pages, want)
+
+
+@pytest.mark.parametrize("path", ["flashinfer", "triton"])
+def test_sparse_decode_attention(batch, path: str) -> None:
+    paged, q, index_q = batch
+    metadata = paged.metadata
+    plan = plan_sparse_decode(metadata, SHAPE, torch.device("cuda"))
+    flashinfer = None
+    if path == "flashinfer":
+        flashinfer = FlashInferSparseDecode(torch.device("cuda"))
+        flashinfer.plan(plan, torch.bfloat16, SCALE)  # before the page ids exist, as in a decode step
+    selected = decode_index_topk(index_q, paged.index_key_cache, metadata, plan)
+    out = torch.full_like(q, float("nan"))
+    sparse_decode_attention(q, paged.key_cache, paged.value_cache, plan, metadata.positions, metadata.page_table,
+                            SCALE, flashinfer, out=out)  # fmt: skip
+    check_attention(paged, q, selected, out)
+
+
+@pytest.mark.parametrize("path", ["flashinfer", "triton"])
+def test_cuda_graph_replays_the_decode_layer_on_new_inputs(batch, path: str) -> None:
+    """Plan on the host, capture index + attention once, then replay with fresh q / index_q: the
+    page ids are produced inside the graph, so the replay must follow the new selection."""
+    paged, q, index_q = batch
+    metadata = paged.metadata
+    plan = plan_sparse_decode(metadata, SHAPE, torch.device("cuda"))
+    flashinfer = None
+    if path == "flashinfer":
+        flashinfer = FlashInferSparseDecode(torch.device("cuda"))
+        flashinfer.plan(plan, torch.bfloat16, SCALE)
+    q_in, index_q_in = q.clone(), index_q.clone()
+    out = torch.full_like(q, float("nan"))
+
+    def layer() -> torch.Tensor:
+        selected = decode_index_topk(index_q_in, paged.index_key_cache, metadata, plan)
+        sparse_decode_attention(q_in, paged.key_cache, paged.value_cache, plan, metadata.positions,
+                                metadata.page_table, SCALE, flashinfer, out=out)  # fmt: skip
+        return selected
+
+    layer()  # compile outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        selected = layer()
+    generator = torch.Generator().manual_seed(9)
+    q_in.copy_(torch.randn(q.shape, generator=generator))
+    index_q_in.copy_(torch.randn(index_q.shape, generator=generator))
+    out.fill_(float("nan"))
+    graph.replay()
+    torch.cuda.synchronize()
+    check_selection(paged, index_q_in, selected)
+    check_attention(paged, q_in, selected, out)
+
+
+def test_backend_matches_reference_backend_over_steps() -> None:
+    """Prefill chunks (MSA prefill kernels, FlashInfer dense prefill), decode and MTP-like steps
+    (decode indexer, FlashInfer flattened decode and dense decode) at M3 dims, bf16."""
+    block = SHAPE.block_size
+    steps = [{0: 2500, 1: 700}, {0: 1000, 2: 3000}, {0: 1, 1: 1, 2: 1}, {0: 3, 1: 2, 2: 1}, {1: 1, 2: 1}]
+    spec = KVCacheSpec(
+        num_layers=2, num_kv_heads=SHAPE.num_kv_heads, head_dim=SHAPE.head_dim, block_size=block,
+        index_head_dim=SHAPE.index_head_dim, sparse_layers=(False, True), dtype=torch.bfloat16,
+    )  # fmt: skip
+
+    def caches() -> list:
+        layers = allocate_kv_cache(spec, 120, "cuda")
+        for layer in layers:
+            for tensor in (layer.key, layer.value, layer.index_key):
+                if tensor is not None:
+                    tensor.fill_(float("nan"))
+        return layers
+
+    generator = torch.Generator().manual_seed(5)
+    pages = torch.randperm(120, generator=generator)[:105].view(3, 35).cuda()
+    gpu = GpuAttentionBackend(caches(), topk_blocks=SHAPE.topk, local_blocks=SHAPE.local_blocks,
+                              num_q_heads=SHAPE.num_q_heads)  # fmt: skip
+    assert gpu.use_flashinfer, "the GPU suite runs with FlashInfer installed"
+    ref = ReferenceAttentionBackend(caches(), topk_blocks=SHAPE.topk, local_blocks=SHAPE.local_blocks)
+    done = {0: 0, 1: 0, 2: 0}
+    for step in steps:
+        metadata = step_metadata(step, done, pages, block)
+
+        def randn(*shape: int, tokens: int = metadata.num_tokens) -> torch.Tensor:
+            return torch.randn(tokens, *shape, generator=generator).to("cuda", torch.bfloat16)
+
+        heads, kv_heads, dim = SHAPE.num_q_heads, SHAPE.num_kv_heads, SHAPE.head_dim
+        dense_args = (randn(heads, dim), randn(kv_heads, dim), randn(kv_heads, dim))
+        # Small-integer index vectors: scores are exact in any summation order, so both backends face
+        # the same (frequent) exact ties and must both break them towards the lower block id.
+        sparse_args = (randn(heads, dim), randn(kv_heads, dim), randn(kv_heads, dim), randn(kv_heads, dim).round(),
+                       randn(dim).round())  # fmt: skip
+        outputs = []
+        for backend in (gpu, ref):
+            backend.begin_step(metadata)
+            outputs.append((backend.dense(0, *dense_args), backend.sparse(1, *sparse_args)))
+        (gpu_dense, gpu_sparse), (ref_dense, ref_sparse) = outputs
+        torch.testing.assert_close(gpu_dense.float(), ref_dense.float(), atol=OUT_TOLERANCE, rtol=OUT_TOLERANCE)
+        torch.testing.assert_close(gpu_sparse.float(), ref_sparse.float(), atol=OUT_TOLERANCE, rtol=OUT_TOLERANCE)
+        for request, new in step.items():
+            done[request] += new
