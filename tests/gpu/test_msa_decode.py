@@ -16,7 +16,7 @@ from m3stack.engine.kv_cache.tensors import KVCacheSpec, allocate_kv_cache
 from m3stack.engine.msa import reference
 from m3stack.engine.msa.decode_attention import FlashInferSparseDecode, sparse_decode_attention
 from m3stack.engine.msa.decode_index import ScanConfig, decode_index_topk
-from m3stack.engine.msa.decode_plan import SparseDecodeShape, plan_sparse_decode
+from m3stack.engine.msa.decode_plan import SparseDecodePlan, SparseDecodeShape, plan_sparse_decode
 from tests.engine.attention.step_support import step_metadata
 from tests.engine.msa.prefill_support import PagedBatch, assert_selection_matches, paged_batch
 
@@ -84,15 +84,19 @@ def test_index_selection_and_page_ids(batch, config: ScanConfig, splits: int | N
             assert torch.equal(pages, want)
 
 
+def planned_flashinfer(plan: SparseDecodePlan) -> FlashInferSparseDecode:
+    """FlashInfer planned before the page ids exist, as in a decode step."""
+    flashinfer = FlashInferSparseDecode(torch.device("cuda"))
+    flashinfer.plan(plan, torch.bfloat16, SCALE)
+    return flashinfer
+
+
 @pytest.mark.parametrize("path", ["flashinfer", "triton"])
 def test_sparse_decode_attention(batch, path: str) -> None:
     paged, q, index_q = batch
     metadata = paged.metadata
     plan = plan_sparse_decode(metadata, SHAPE, torch.device("cuda"))
-    flashinfer = None
-    if path == "flashinfer":
-        flashinfer = FlashInferSparseDecode(torch.device("cuda"))
-        flashinfer.plan(plan, torch.bfloat16, SCALE)  # before the page ids exist, as in a decode step
+    flashinfer = planned_flashinfer(plan) if path == "flashinfer" else None
     selected = decode_index_topk(index_q, paged.index_key_cache, metadata, plan)
     out = torch.full_like(q, float("nan"))
     sparse_decode_attention(q, paged.key_cache, paged.value_cache, plan, metadata.positions, metadata.page_table,
@@ -107,10 +111,7 @@ def test_cuda_graph_replays_the_decode_layer_on_new_inputs(batch, path: str) -> 
     paged, q, index_q = batch
     metadata = paged.metadata
     plan = plan_sparse_decode(metadata, SHAPE, torch.device("cuda"))
-    flashinfer = None
-    if path == "flashinfer":
-        flashinfer = FlashInferSparseDecode(torch.device("cuda"))
-        flashinfer.plan(plan, torch.bfloat16, SCALE)
+    flashinfer = planned_flashinfer(plan) if path == "flashinfer" else None
     q_in, index_q_in = q.clone(), index_q.clone()
     out = torch.full_like(q, float("nan"))
 
