@@ -8,11 +8,15 @@ for up to --drain-timeout seconds.
 
 import argparse
 import logging
+import signal
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from m3stack import options
 from m3stack.options import OptionGroup
+
+if TYPE_CHECKING:
+    from m3stack.gateway.config import GatewayConfig
 
 logger = logging.getLogger(__name__)
 
@@ -48,15 +52,27 @@ def add_arguments(opts: OptionGroup) -> None:
     opts.add("--breaker-open", type=options.positive_float, default=10.0, help="seconds a breaker stays open")
     opts.add("--health-interval", type=options.positive_float, default=1.0, help="seconds between engine probes")
     opts.add("--health-timeout", type=options.positive_float, default=2.0, help="deadline of one engine probe")
+    opts.add(
+        "--media-workers",
+        type=options.non_negative_int,
+        default=None,
+        help="processes for image/video preprocessing (default: one per core; 0 turns media input off)",
+    )
+    opts.add(
+        "--media-allowed-domains", help="comma-separated hosts media URLs may come from (default: any public host)"
+    )
+    opts.flag("--media-allow-private-networks", help="allow media URLs on loopback/private addresses (local use only)")
+    opts.add("--media-local-dir", help="folder whose files may be given as file:// media URLs")
     opts.add("--drain-timeout", type=options.non_negative_float, default=30.0, help="seconds open streams get on stop")
     opts.flag("--access-log", help="log every HTTP request")
 
 
-def build_config(args: argparse.Namespace) -> Any:
+def build_config(args: argparse.Namespace) -> "GatewayConfig":
     from m3stack.gateway.config import GatewayConfig
     from m3stack.gateway.engines.breaker import BreakerSettings
     from m3stack.gateway.engines.client import ProbeSettings
     from m3stack.gateway.engines.discovery import format_address
+    from m3stack.gateway.multimodal import MediaLimits
 
     if not args.model:
         raise ValueError("--model is required: the model folder with tokenizer.json and the chat template")
@@ -79,6 +95,12 @@ def build_config(args: argparse.Namespace) -> Any:
         max_attempts=args.max_attempts,
         breaker=BreakerSettings(failure_threshold=args.breaker_failures, open_s=args.breaker_open),
         probe=ProbeSettings(interval_s=args.health_interval, timeout_s=args.health_timeout),
+        media_workers=args.media_workers,
+        media_limits=MediaLimits(
+            allowed_domains=tuple(d.strip() for d in (args.media_allowed_domains or "").split(",") if d.strip()),
+            allow_private_networks=args.media_allow_private_networks,
+            local_media_dir=args.media_local_dir,
+        ),
     )
 
 
@@ -109,10 +131,14 @@ def run(args: argparse.Namespace) -> int:
                 )
 
         def handle_exit(self, sig: int, frame: Any) -> None:
+            # uvicorn's own handler re-raises the signal after shutdown, so a clean drain would exit with
+            # -15; here a drained gateway exits 0.  A second Ctrl-C still forces the exit.
             if not state.draining:
                 logger.info("stopping: no new connections, open streams get %.0fs", args.drain_timeout)
             state.draining = True
-            super().handle_exit(sig, frame)
+            if self.should_exit and sig == signal.SIGINT:
+                self.force_exit = True
+            self.should_exit = True
 
     server = GatewayServer(
         uvicorn.Config(

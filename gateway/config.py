@@ -5,6 +5,7 @@ from pathlib import Path
 
 from m3stack.gateway.engines.breaker import BreakerSettings
 from m3stack.gateway.engines.client import ProbeSettings
+from m3stack.gateway.multimodal import MediaLimits
 
 
 @dataclass(frozen=True)
@@ -22,6 +23,8 @@ class GatewayConfig:
     max_attempts: int = 3  # engines tried per request before its first token
     breaker: BreakerSettings = field(default_factory=BreakerSettings)
     probe: ProbeSettings = field(default_factory=ProbeSettings)
+    media_workers: int | None = None  # image/video worker processes; None: one per core, 0: no media input
+    media_limits: MediaLimits = field(default_factory=MediaLimits)
 
     def __post_init__(self) -> None:
         if not self.engines and self.engine_service is None:

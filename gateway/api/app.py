@@ -1,6 +1,7 @@
 """The FastAPI application: routes, error rendering, middleware, and the engines' lifecycle."""
 
 import contextlib
+import json
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -10,7 +11,7 @@ from typing import Annotated, Any
 from fastapi import Depends, FastAPI, Header, Request
 from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
-from starlette.responses import JSONResponse, Response
+from starlette.responses import JSONResponse, PlainTextResponse, Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from m3stack import __version__
@@ -32,6 +33,7 @@ from m3stack.gateway.engines.pool import EnginePool
 from m3stack.gateway.errors import APIError
 from m3stack.gateway.generation.dispatch import Dispatcher
 from m3stack.gateway.metrics import GatewayMetrics
+from m3stack.gateway.multimodal import MediaPipeline, load_profile
 from m3stack.gateway.routing.policies import make_policy
 from m3stack.gateway.tokenize.chat_template import ChatTemplate
 from m3stack.gateway.tokenize.tokenizer import ModelTokenizer
@@ -49,7 +51,12 @@ ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
         (503, "no engine can take the request now (see Retry-After)"),
     ]
 }
+# With stream=true the completion routes answer server-sent events instead of JSON.
+STREAMING_RESPONSE: dict[int | str, dict[str, Any]] = {
+    200: {"content": {"text/event-stream": {"schema": {"type": "string"}}}, "description": "JSON, or SSE when streamed"}
+}
 API_PATHS = ("/v1/chat/completions", "/v1/completions", "/v1/models")
+PROMETHEUS_CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 HTTP_ERROR_CODES = {404: "not_found", 405: "method_not_allowed", 413: "request_too_large"}
 
 
@@ -63,13 +70,14 @@ class GatewayState:
         template = self.tokenizer.chat_template
         self.chat_template = ChatTemplate(template, self.tokenizer.special_tokens) if template else None
         self.executor = ThreadPoolExecutor(max_workers=config.tokenizer_threads, thread_name_prefix="tokenize")
+        self.media = media_pipeline(config)
         self.pool = EnginePool(config.breaker, config.probe, self.metrics)
         self.policy = make_policy(config.routing, load_penalty=config.prefix_load_penalty)
         self.dispatcher = Dispatcher(self.pool, self.policy, self.metrics, config.max_attempts)
         self.service = CompletionService(
             config.served_model_name,
             self.tokenizer,
-            PromptBuilder(self.tokenizer, self.chat_template, self.executor),
+            PromptBuilder(self.tokenizer, self.chat_template, self.executor, self.media),
             self.pool,
             self.dispatcher,
             self.metrics,
@@ -80,6 +88,8 @@ class GatewayState:
         self.started_at = int(time.time())
 
     async def start(self) -> None:
+        if self.media is not None:
+            await self.media.start()
         if self.config.engine_service is not None:
             host, port = self.config.engine_service
             self.discovery = DnsDiscovery(host, port, self.pool, self.config.discovery_interval_s)
@@ -94,7 +104,23 @@ class GatewayState:
         if self.discovery is not None:
             self.discovery.stop()
         await self.pool.stop()
+        if self.media is not None:
+            await self.media.close()
         self.executor.shutdown(wait=False, cancel_futures=True)
+
+
+def media_pipeline(config: GatewayConfig) -> MediaPipeline | None:
+    """The image/video pipeline for the checkpoint's ``model_type``, or None (media parts are then a 400)."""
+    if config.media_workers == 0:
+        logger.info("image and video input is off (--media-workers 0)")
+        return None
+    try:
+        model_type = json.loads((config.model_dir / "config.json").read_text())["model_type"]
+        profile = load_profile(model_type, config.model_dir)
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        logger.info("image and video input is off: %s", exc)
+        return None
+    return MediaPipeline(profile, config.media_limits, workers=config.media_workers)
 
 
 def create_app(config: GatewayConfig) -> FastAPI:
@@ -132,7 +158,7 @@ def _add_routes(app: FastAPI, state: GatewayState) -> None:
         "/v1/chat/completions",
         dependencies=api,
         response_model=ChatCompletionResponse,
-        responses=ERROR_RESPONSES,
+        responses={**ERROR_RESPONSES, **STREAMING_RESPONSE},
         summary="Chat completion; with stream=true, server-sent events of chat.completion.chunk ending with [DONE]",
     )
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
@@ -142,7 +168,7 @@ def _add_routes(app: FastAPI, state: GatewayState) -> None:
         "/v1/completions",
         dependencies=api,
         response_model=CompletionResponse,
-        responses=ERROR_RESPONSES,
+        responses={**ERROR_RESPONSES, **STREAMING_RESPONSE},
         summary="Text completion; with stream=true, server-sent events ending with [DONE]",
     )
     async def completions(body: CompletionRequest, request: Request) -> Response:
@@ -174,9 +200,14 @@ def _add_routes(app: FastAPI, state: GatewayState) -> None:
             return JSONResponse({"status": reason, "engines": engines}, status_code=503)
         return JSONResponse({"status": "ready", "engines": engines})
 
-    @app.get("/metrics", summary="Prometheus metrics")
+    @app.get(
+        "/metrics",
+        summary="Prometheus metrics",
+        response_class=PlainTextResponse,
+        responses={200: {"content": {PROMETHEUS_CONTENT_TYPE: {"schema": {"type": "string"}}}}},
+    )
     async def metrics() -> Response:
-        return Response(state.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+        return Response(state.metrics.render(), media_type=PROMETHEUS_CONTENT_TYPE)
 
 
 def _install_error_handlers(app: FastAPI) -> None:

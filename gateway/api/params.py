@@ -134,6 +134,7 @@ def with_seed(params: engine_pb2.SamplingParams, seed: int | None, choice_index:
 def engine_requests(
     request_id: str,
     prompt_ids: Sequence[int],
+    mm_items: Sequence[engine_pb2.MultimodalItem],
     params: engine_pb2.SamplingParams,
     request: SamplingRequest,
     first_choice_index: int,
@@ -142,6 +143,7 @@ def engine_requests(
         engine_pb2.GenerateRequest(
             request_id=f"{request_id}-{first_choice_index + i}",
             input_ids=prompt_ids,
+            mm_items=mm_items,
             sampling=with_seed(params, request.seed, i),
             cache_salt=request.cache_salt or "",
             priority=request.priority,

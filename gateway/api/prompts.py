@@ -1,5 +1,11 @@
 """Requests to prompt token ids: chat template + tokenizer for chats, the tokenizer (or the ids as
-given) for completions.  The CPU work runs in a thread pool, off the event loop."""
+given) for completions.  Tokenizing runs in a thread pool, off the event loop.
+
+Image and video parts go through ``gateway/multimodal``'s pipeline the way the reference processor
+does it: the template writes one marker per part, the pipeline fetches and preprocesses the media,
+expands each marker into the item's placeholder tokens, and the spans of those tokens travel with the
+items to the engine.
+"""
 
 import asyncio
 from collections.abc import Callable, Sequence
@@ -7,8 +13,17 @@ from concurrent.futures import Executor
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from m3stack.gateway.api.schemas import ChatCompletionRequest, ChatMessage, CompletionRequest, TextPart
-from m3stack.gateway.errors import invalid_request, not_supported
+from m3stack.engine.proto import engine_pb2
+from m3stack.gateway.api.schemas import (
+    ChatCompletionRequest,
+    ChatMessage,
+    CompletionRequest,
+    ImagePart,
+    TextPart,
+    VideoPart,
+)
+from m3stack.gateway.errors import APIError, invalid_request, not_supported
+from m3stack.gateway.multimodal import MediaError, MediaPart, MediaPipeline
 from m3stack.gateway.tokenize.chat_template import ChatTemplate, ChatTemplateError
 from m3stack.gateway.tokenize.tokenizer import ModelTokenizer
 
@@ -19,27 +34,34 @@ T = TypeVar("T")
 class Prompt:
     token_ids: list[int]
     text: str | None  # what ``echo`` returns: the prompt as text
+    mm_items: tuple[engine_pb2.MultimodalItem, ...] = ()
 
 
 class PromptBuilder:
-    def __init__(self, tokenizer: ModelTokenizer, template: ChatTemplate | None, executor: Executor) -> None:
+    def __init__(
+        self,
+        tokenizer: ModelTokenizer,
+        template: ChatTemplate | None,
+        executor: Executor,
+        media: MediaPipeline | None,
+    ) -> None:
         self._tokenizer = tokenizer
         self._template = template
         self._executor = executor
+        self._media = media
 
     async def _off_loop(self, work: Callable[[], T]) -> T:
         return await asyncio.get_running_loop().run_in_executor(self._executor, work)
 
-    async def chat(self, request: ChatCompletionRequest) -> Prompt:
+    async def chat(self, request: ChatCompletionRequest, context_length: int) -> Prompt:
         if self._template is None:
             raise invalid_request(
                 "The model has no chat template (chat_template.jinja or tokenizer_config.json); use /v1/completions",
                 param="messages",
             )
-        if any(_has_media(message) for message in request.messages):
-            # The hook for gateway/multimodal: fetch and preprocess the parts, then expand each placeholder
-            # of the token ids into the item's tokens and send the items with the request.
-            raise not_supported("image_url and video_url content (multimodal input is not wired in yet)", "messages")
+        media_parts = _media_parts(request.messages)
+        if media_parts and self._media is None:
+            raise not_supported("image_url and video_url content (this gateway runs without media support)", "messages")
         messages = [_template_message(message) for message in request.messages]
         template = self._template
 
@@ -55,7 +77,26 @@ class PromptBuilder:
             # The template writes the special tokens itself (BOS included).
             return Prompt(self._encode(text, add_special_tokens=False, param="messages"), text)
 
-        return await self._off_loop(render_and_encode)
+        prompt = await self._off_loop(render_and_encode)
+        if not media_parts:
+            return prompt
+        return await self._with_media(prompt, media_parts, context_length)
+
+    async def _with_media(self, prompt: Prompt, parts: list[MediaPart], context_length: int) -> Prompt:
+        media = self._media
+        assert media is not None and prompt.text is not None
+        try:
+            # Each marker of the templated text becomes the item's tokens: the rest of the context is theirs.
+            items = await media.process_media(parts, vision_token_budget=context_length - len(prompt.token_ids))
+            expanded = media.expand_prompt(prompt.text, items)
+            token_ids = await self._off_loop(lambda: self._encode(expanded, add_special_tokens=False, param="messages"))
+            spans = media.placeholder_spans(token_ids, self._tokenizer, items)
+        except MediaError as exc:
+            raise APIError(exc.status, exc.message, param=exc.param, code=exc.code) from exc
+        mm_items = tuple(
+            item.to_proto(media.transport, item_spans) for item, item_spans in zip(items, spans, strict=True)
+        )
+        return Prompt(token_ids, prompt.text, mm_items)
 
     async def completion(self, request: CompletionRequest) -> list[Prompt]:
         prompt = request.prompt
@@ -88,14 +129,33 @@ class PromptBuilder:
         return ids
 
 
-def _has_media(message: ChatMessage) -> bool:
-    return isinstance(message.content, list) and any(not isinstance(part, TextPart) for part in message.content)
+def _media_parts(messages: list[ChatMessage]) -> list[MediaPart]:
+    parts = []
+    for m, message in enumerate(messages):
+        for p, part in enumerate(message.content if isinstance(message.content, list) else ()):
+            param = f"messages[{m}].content[{p}]"
+            if isinstance(part, ImagePart):
+                parts.append(MediaPart("image", part.image_url.url, param))
+            elif isinstance(part, VideoPart):
+                parts.append(MediaPart("video", part.video_url.url, param))
+    return parts
 
 
 def _template_message(message: ChatMessage) -> dict[str, Any]:
-    """A message as chat templates expect it: a plain dict; text parts are concatenated into one string,
-    which every template accepts and which is what M3's template renders for a list of text parts."""
+    """A message as chat templates expect it: a plain dict.  Text-only content becomes one string
+    (which every template accepts, and what M3's template renders for a list of text parts); content
+    with media stays a list, images and videos as ``{"type": "image"}`` / ``{"type": "video"}`` parts,
+    as the reference processor passes them."""
     rendered = message.model_dump(exclude_none=True)
-    if isinstance(message.content, list):
-        rendered["content"] = "".join(part.text for part in message.content if isinstance(part, TextPart))
+    content = message.content
+    if isinstance(content, list):
+        if all(isinstance(part, TextPart) for part in content):
+            rendered["content"] = "".join(part.text for part in content if isinstance(part, TextPart))
+        else:
+            rendered["content"] = [
+                {"type": "text", "text": part.text}
+                if isinstance(part, TextPart)
+                else {"type": "image" if isinstance(part, ImagePart) else "video"}
+                for part in content
+            ]
     return rendered

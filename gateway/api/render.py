@@ -6,7 +6,7 @@ in ``schemas.py``.
 """
 
 import json
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -24,7 +24,6 @@ from m3stack.gateway.api.schemas import (
 )
 from m3stack.gateway.generation.choice import ChoiceDelta, TokenLogprob
 from m3stack.gateway.generation.run import Usage
-from m3stack.gateway.tokenize.tokenizer import ModelTokenizer
 
 SSE_DONE = b"data: [DONE]\n\n"
 
@@ -44,7 +43,7 @@ class ResponseMeta:
     request_id: str
     model: str
     created: int
-    tokenizer: ModelTokenizer
+    token_text: Callable[[int], str]  # how logprobs name a token
     logprobs: bool
 
 
@@ -65,14 +64,14 @@ def error_event(body: dict[str, Any]) -> bytes:
 # Logprobs
 
 
-def _chat_logprob_entry(tokenizer: ModelTokenizer, entry: TokenLogprob) -> dict[str, Any]:
-    text = tokenizer.token_text(entry.token_id)
+def _chat_logprob_entry(token_text: Callable[[int], str], entry: TokenLogprob) -> dict[str, Any]:
+    text = token_text(entry.token_id)
     return {
         "token": text,
         "logprob": entry.logprob,
         "bytes": list(text.encode()),
         "top_logprobs": [
-            {"token": (top := tokenizer.token_text(token_id)), "logprob": logprob, "bytes": list(top.encode())}
+            {"token": (top := token_text(token_id)), "logprob": logprob, "bytes": list(top.encode())}
             for token_id, logprob in entry.top
         ],
     }
@@ -86,15 +85,15 @@ class _CompletionLogprobState:
 
 
 def _completion_logprobs(
-    tokenizer: ModelTokenizer, entries: Sequence[TokenLogprob], state: _CompletionLogprobState
+    token_text: Callable[[int], str], entries: Sequence[TokenLogprob], state: _CompletionLogprobState
 ) -> dict[str, Any]:
     tokens, offsets, top = [], [], []
     for entry in entries:
-        text = tokenizer.token_text(entry.token_id)
+        text = token_text(entry.token_id)
         tokens.append(text)
         offsets.append(state.text_offset)
         state.text_offset += len(text)
-        top.append({tokenizer.token_text(token_id): logprob for token_id, logprob in entry.top} or None)
+        top.append({token_text(token_id): logprob for token_id, logprob in entry.top} or None)
     return {
         "tokens": tokens,
         "token_logprobs": [entry.logprob for entry in entries],
@@ -114,7 +113,7 @@ class ChunkRenderer:
         self, kind: str, meta: ResponseMeta, include_usage: bool, num_choices: int, echo_texts: Sequence[str] = ()
     ) -> None:
         self._chat = kind == "chat"
-        self._tokenizer = meta.tokenizer
+        self._token_text = meta.token_text
         self._logprobs = meta.logprobs
         object_name = "chat.completion.chunk" if self._chat else "text_completion"
         self._head = (
@@ -148,7 +147,7 @@ class ChunkRenderer:
         logprobs: Any = None
         if self._chat:
             if self._logprobs:
-                logprobs = {"content": [_chat_logprob_entry(self._tokenizer, e) for e in delta.logprobs]}
+                logprobs = {"content": [_chat_logprob_entry(self._token_text, e) for e in delta.logprobs]}
             choice = {
                 "index": delta.index,
                 "delta": {"content": delta.text},
@@ -157,7 +156,7 @@ class ChunkRenderer:
             }
         else:
             if self._logprobs:
-                logprobs = _completion_logprobs(self._tokenizer, delta.logprobs, self._logprob_states[delta.index])
+                logprobs = _completion_logprobs(self._token_text, delta.logprobs, self._logprob_states[delta.index])
             choice = {
                 "index": delta.index,
                 "text": delta.text,
@@ -196,7 +195,7 @@ def chat_response(meta: ResponseMeta, choices: Sequence[ChoiceAccumulator], usag
         if not meta.logprobs:
             return None
         return ChoiceLogprobs(
-            content=[TokenLogprobEntry(**_chat_logprob_entry(meta.tokenizer, e)) for e in choice.logprobs]
+            content=[TokenLogprobEntry(**_chat_logprob_entry(meta.token_text, e)) for e in choice.logprobs]
         )
 
     return ChatCompletionResponse(
@@ -226,7 +225,7 @@ def completion_response(
         choice_logprobs = None
         if meta.logprobs:
             state = _CompletionLogprobState(text_offset=len(echo))
-            choice_logprobs = CompletionLogprobs(**_completion_logprobs(meta.tokenizer, choice.logprobs, state))
+            choice_logprobs = CompletionLogprobs(**_completion_logprobs(meta.token_text, choice.logprobs, state))
         rendered.append(
             CompletionChoice(
                 index=choice.index,

@@ -90,6 +90,7 @@ class SamplingRequest(RequestModel):
     skip_special_tokens: bool = True
     priority: int = Field(0, ge=-(2**31), le=INT32_MAX, description="lower runs first among waiting requests")
     cache_salt: str | None = Field(None, max_length=256, description="requests with different salts never share KV")
+    return_tokens_as_token_ids: bool = Field(False, description="logprobs name tokens 'token_id:N'")
 
 
 class ChatCompletionRequest(SamplingRequest):

@@ -65,14 +65,22 @@ class CompletionService:
     async def chat(self, request: ChatCompletionRequest, http_request: Request, arrival_s: float) -> Response:
         self.check_model(request.model)
         params.reject_unsupported(request)
-        prompt = await self._prompts.chat(request)
-        return await self._serve("chat", request, [prompt], http_request, arrival_s)
+        context = self._context_length()
+        prompt = await self._prompts.chat(request, context)
+        return await self._serve("chat", request, [prompt], context, http_request, arrival_s)
 
     async def completions(self, request: CompletionRequest, http_request: Request, arrival_s: float) -> Response:
         self.check_model(request.model)
         params.reject_unsupported(request)
+        context = self._context_length()
         prompts = await self._prompts.completion(request)
-        return await self._serve("completion", request, prompts, http_request, arrival_s)
+        return await self._serve("completion", request, prompts, context, http_request, arrival_s)
+
+    def _context_length(self) -> int:
+        context = self._pool.context_length()
+        if context is None:
+            raise no_engine_available(self._pool.seconds_until_retry(), "no engine is ready")
+        return context
 
     # -------------------------------------------------------------------------------------------
 
@@ -81,12 +89,10 @@ class CompletionService:
         kind: str,
         request: ChatCompletionRequest | CompletionRequest,
         prompts: Sequence[Prompt],
+        context: int,
         http_request: Request,
         arrival_s: float,
     ) -> Response:
-        context = self._pool.context_length()
-        if context is None:
-            raise no_engine_available(self._pool.seconds_until_retry(), "no engine is ready")
         output = params.output_options(request)
         requested, max_param = params.requested_max_tokens(request)
         prompt_param = "messages" if kind == "chat" else "prompt"
@@ -96,7 +102,9 @@ class CompletionService:
             max_new = params.max_new_tokens(requested, max_param, len(prompt.token_ids), context, prompt_param)
             sampling = params.sampling_params(request, max_new, output, self._tokenizer.vocab_size)
             batches.append(
-                params.engine_requests(request_id, prompt.token_ids, sampling, request, prompt_index * request.n)
+                params.engine_requests(
+                    request_id, prompt.token_ids, prompt.mm_items, sampling, request, prompt_index * request.n
+                )
             )
         streams = await self._open_all(prompts, batches)
         self._metrics.prompt_tokens.inc(sum(len(prompt.token_ids) for prompt in prompts))
@@ -117,7 +125,8 @@ class CompletionService:
             for i, stream in enumerate(prompt_streams)
         ]
         generation = Generation(runs, self._metrics, arrival_s)
-        meta = ResponseMeta(request_id, self.served_model_name, int(time.time()), self._tokenizer, output.logprobs)
+        token_text = token_id_text if request.return_tokens_as_token_ids else self._tokenizer.token_text
+        meta = ResponseMeta(request_id, self.served_model_name, int(time.time()), token_text, output.logprobs)
         echo = isinstance(request, CompletionRequest) and request.echo
         echo_texts = [prompt.text or "" for prompt in prompts for _ in range(request.n)] if echo else []
         if request.stream:
@@ -196,6 +205,11 @@ class CompletionService:
         except EngineStreamError as exc:
             raise engine_failure(str(exc)) from exc
         return choices
+
+
+def token_id_text(token_id: int) -> str:
+    """``return_tokens_as_token_ids``: logprobs name tokens ``token_id:N`` (vLLM's form), unambiguous."""
+    return f"token_id:{token_id}"
 
 
 async def _wait_for_disconnect(http_request: Request) -> None:

@@ -1,0 +1,86 @@
+"""Two engines behind one gateway: traffic spreads, and when one is killed its streams end with an
+error event (no hang), the others finish, and new requests move to the survivor."""
+
+import threading
+
+import openai
+import pytest
+
+from .conftest import wait_until
+
+pytestmark = pytest.mark.xdist_group("gateway_api")
+
+PROMPT = "Tell me a long story about engines and gateways."
+
+
+@pytest.fixture(scope="module")
+def pair(stack, engine):
+    first, second = stack.engine(), engine  # the first is killed; the session's engine survives
+    # Slow health probes: the gateway learns about the killed engine from the failing calls themselves.
+    gateway = stack.gateway(
+        [first, second], "--media-workers", "0", "--health-interval", "30", "--breaker-failures", "2"
+    )
+    return first, second, gateway
+
+
+def inflight(gateway, engine) -> float:
+    return gateway.metrics().get(("m3stack_gateway_engine_inflight_requests", (("engine", engine.address),)), 0.0)
+
+
+class StreamRunner(threading.Thread):
+    """One streamed completion in a thread: how it ended and what it received."""
+
+    def __init__(self, client: openai.OpenAI, model: str, max_tokens: int) -> None:
+        super().__init__(daemon=True)
+        self._client, self._model, self._max_tokens = client, model, max_tokens
+        self.error: Exception | None = None
+        self.finish_reason: str | None = None
+        self.chunks = 0
+
+    def run(self) -> None:
+        try:
+            stream = self._client.completions.create(
+                model=self._model,
+                prompt=PROMPT,
+                max_tokens=self._max_tokens,
+                stream=True,
+                extra_body={"ignore_eos": True},
+            )
+            for chunk in stream:
+                self.chunks += 1
+                if chunk.choices and chunk.choices[0].finish_reason:
+                    self.finish_reason = chunk.choices[0].finish_reason
+        except openai.APIError as exc:
+            self.error = exc
+
+
+def test_traffic_spreads_then_survives_a_killed_engine(pair, model_name):
+    first, second, gateway = pair
+    client = gateway.client(timeout_s=120)
+    runners = [StreamRunner(client, model_name, max_tokens=200) for _ in range(8)]
+    for runner in runners:
+        runner.start()
+    wait_until(lambda: inflight(gateway, first) >= 1 and inflight(gateway, second) >= 1, 60, "streams on both engines")
+    wait_until(lambda: sum(r.chunks for r in runners) >= 8, 60, "tokens flowing")
+    on_first = inflight(gateway, first)
+
+    first.kill()
+    for runner in runners:
+        runner.join(timeout=120)
+        assert not runner.is_alive(), "a stream hung after its engine died"
+    failed = [r for r in runners if r.error is not None]
+    finished = [r for r in runners if r.error is None]
+    assert len(failed) == on_first, "exactly the streams on the killed engine fail"
+    assert all("failed" in str(r.error) or "lost" in str(r.error) for r in failed), [str(r.error) for r in failed]
+    assert finished and all(r.finish_reason == "length" for r in finished)
+
+    # New requests land on the survivor: the first tries on the dead engine are retried before any token.
+    for _ in range(6):
+        response = client.completions.create(
+            model=model_name, prompt="Hi", max_tokens=3, extra_body={"ignore_eos": True}
+        )
+        assert response.usage.completion_tokens == 3
+    metrics = gateway.metrics()
+    assert metrics[("m3stack_gateway_engine_retries_total", ())] >= 1
+    assert metrics[("m3stack_gateway_engine_breaker_state", (("engine", first.address),))] == 2
+    assert metrics[("m3stack_gateway_engine_inflight_requests", (("engine", first.address),))] == 0
