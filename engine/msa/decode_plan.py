@@ -19,8 +19,9 @@ import torch
 from m3stack.engine.attention.metadata import AttentionMetadata
 from m3stack.engine.msa.launch import multiprocessors
 
-# Index-scan programs per SM: enough resident programs to hide the latency of the page loads.
-_SCAN_PROGRAMS_PER_SM = 4
+# Index-scan programs per SM: the scan keeps ~70 KiB of shared memory, so three are resident per H200
+# SM; one full wave of them streams the k-index with no tail.
+_SCAN_PROGRAMS_PER_SM = 3
 # Fewest index pages one scan program streams, so short contexts do not launch empty programs.
 _MIN_BLOCKS_PER_SPLIT = 8
 # Most splits of one request's index scan: the merge reads ``splits x 16`` candidates per row.
@@ -81,10 +82,10 @@ def token_positions_cpu(metadata: AttentionMetadata) -> tuple[torch.Tensor, torc
 
 
 def default_scan_splits(num_requests: int, max_candidate_blocks: int, device: torch.device) -> int:
-    """Programs per request for the index scan: fill every SM a few times over, never more splits
-    than the longest request has groups of ``_MIN_BLOCKS_PER_SPLIT`` candidate blocks."""
+    """Programs per request for the index scan: one wave of resident programs over all SMs, never more
+    splits than the longest request has groups of ``_MIN_BLOCKS_PER_SPLIT`` candidate blocks."""
     target = _SCAN_PROGRAMS_PER_SM * multiprocessors(device)
-    by_occupancy = -(-target // max(num_requests, 1))
+    by_occupancy = target // max(num_requests, 1)  # rounded down: a second, nearly empty wave would be a tail
     by_length = -(-max_candidate_blocks // _MIN_BLOCKS_PER_SPLIT)
     return max(1, min(by_occupancy, by_length, MAX_SCAN_SPLITS))
 

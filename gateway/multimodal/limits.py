@@ -7,6 +7,7 @@ refuse rather than downscale.
 """
 
 import argparse
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from m3stack import options
@@ -92,44 +93,40 @@ def check_vision_tokens(total: int, budget: int | None) -> None:
         )
 
 
-_FLAGS: dict[str, tuple[str, object, str]] = {
-    "max_images": ("--mm-max-images", options.non_negative_int, "images allowed per request"),
-    "max_videos": ("--mm-max-videos", options.non_negative_int, "videos allowed per request"),
-    "max_image_bytes": ("--mm-max-image-bytes", options.positive_int, "largest image download or data: URL"),
-    "max_video_bytes": ("--mm-max-video-bytes", options.positive_int, "largest video download or data: URL"),
-    "fetch_timeout_s": ("--mm-fetch-timeout", options.positive_float, "seconds for one media download"),
-    "connect_timeout_s": ("--mm-connect-timeout", options.positive_float, "seconds to connect to a media host"),
-    "max_redirects": ("--mm-max-redirects", options.non_negative_int, "redirects followed per media URL"),
-    "allowed_domains": ("--mm-allowed-domains", None, "comma-separated media hosts (and their subdomains); empty: any"),
-    "local_media_dir": ("--mm-local-media-dir", str, "folder that file:// media URLs may read from (off when unset)"),
-    "max_image_pixels": ("--mm-max-image-pixels", options.positive_int, "largest decoded image, width*height"),
-    "max_video_frame_pixels": ("--mm-max-video-frame-pixels", options.positive_int, "largest video frame"),
-    "max_video_frames": ("--mm-max-video-frames", options.positive_int, "most frames a video may contain"),
-    "max_decoded_frames": ("--mm-max-decoded-frames", options.positive_int, "most frames decoded per video"),
-    "max_sampled_frames": ("--mm-max-sampled-frames", options.positive_int, "most frames sampled per video"),
-    "max_video_pixels": ("--mm-max-video-pixels", options.positive_int, "sampled frames * width * height"),
-    "job_timeout_s": ("--mm-job-timeout", options.positive_float, "seconds to decode and preprocess one item"),
-    "decode_threads": ("--mm-decode-threads", options.positive_int, "decoder threads per video job"),
-}
-
-
 def _domain_list(text: str) -> tuple[str, ...]:
     return tuple(part.strip().lower().rstrip(".") for part in text.split(",") if part.strip())
 
 
+_FLAGS: dict[str, tuple[str, Callable[[str], object], str]] = {
+    "max_images": ("--media-max-images", options.non_negative_int, "images allowed per request"),
+    "max_videos": ("--media-max-videos", options.non_negative_int, "videos allowed per request"),
+    "max_image_bytes": ("--media-max-image-bytes", options.positive_int, "largest image download or data: URL"),
+    "max_video_bytes": ("--media-max-video-bytes", options.positive_int, "largest video download or data: URL"),
+    "fetch_timeout_s": ("--media-fetch-timeout", options.positive_float, "seconds for one media download"),
+    "connect_timeout_s": ("--media-connect-timeout", options.positive_float, "seconds to connect to a media host"),
+    "max_redirects": ("--media-max-redirects", options.non_negative_int, "redirects followed per media URL"),
+    "allowed_domains": ("--media-allowed-domains", _domain_list, "comma-separated hosts (and subdomains); empty: any"),
+    "local_media_dir": ("--media-local-dir", str, "folder that file:// media URLs may read from (off when unset)"),
+    "max_image_pixels": ("--media-max-image-pixels", options.positive_int, "largest decoded image, width*height"),
+    "max_video_frame_pixels": ("--media-max-video-frame-pixels", options.positive_int, "largest video frame"),
+    "max_video_frames": ("--media-max-video-frames", options.positive_int, "most frames a video may contain"),
+    "max_decoded_frames": ("--media-max-decoded-frames", options.positive_int, "most frames decoded per video"),
+    "max_sampled_frames": ("--media-max-sampled-frames", options.positive_int, "most frames sampled per video"),
+    "max_video_pixels": ("--media-max-video-pixels", options.positive_int, "sampled frames * width * height"),
+    "job_timeout_s": ("--media-job-timeout", options.positive_float, "seconds to decode and preprocess one item"),
+    "decode_threads": ("--media-decode-threads", options.positive_int, "decoder threads per video job"),
+}
+
+
 def add_arguments(opts: OptionGroup) -> None:
-    """Register the media flags (and their ``M3STACK_GATEWAY_MM_*`` variables) on the gateway's parser."""
+    """Register the media flags (and their ``M3STACK_GATEWAY_MEDIA_*`` variables) on the gateway's parser."""
     defaults = MediaLimits()
     for name, (flag, kind, help_text) in _FLAGS.items():
-        default = getattr(defaults, name)
-        if name == "allowed_domains":
-            opts.add(flag, type=_domain_list, default=default, help=help_text)
-        else:
-            opts.add(flag, type=kind, default=default, help=help_text)  # type: ignore[arg-type]
-    opts.flag("--mm-allow-private-networks", help="allow media URLs that resolve to loopback or private addresses")
+        opts.add(flag, type=kind, default=getattr(defaults, name), help=help_text)
+    opts.flag("--media-allow-private-networks", help="allow media URLs that resolve to loopback or private addresses")
 
 
 def from_args(args: argparse.Namespace) -> MediaLimits:
     values = {name: getattr(args, flag.lstrip("-").replace("-", "_")) for name, (flag, _, _) in _FLAGS.items()}
-    values["allow_private_networks"] = args.mm_allow_private_networks
+    values["allow_private_networks"] = args.media_allow_private_networks
     return MediaLimits(**values)

@@ -172,7 +172,14 @@ class MediaPipeline:
             p.item = self._item(p, cached.plan, cached.shape, cached.payload)
             return
         p.input_segment = new_segment_name()
-        await asyncio.to_thread(write_segment, p.input_segment, p.data)
+        try:
+            await asyncio.to_thread(write_segment, p.input_segment, p.data)
+        except OSError as exc:
+            raise MediaError(
+                f"the gateway's shared memory cannot hold this media ({exc.strerror}); retry later or send less",
+                "media_capacity",
+                status=503,
+            ) from None
         job = probe_image_job if p.part.modality == "image" else probe_video_job
         try:
             p.plan, p.probe = await self.pool.run(
