@@ -1,12 +1,12 @@
 """The plain-PyTorch ``AttentionBackend``: any device, float32 math.  CPU serving, CI, and the naive MSA baseline.
 
 Each call stores the step's new K/V (and index keys on MSA layers) into the paged cache with
-``engine.msa.store.store_kv``, then, request by request, gathers the request's pages back into contiguous
-``[S, ...]`` tensors and runs ``engine.msa.reference`` (dense causal GQA, or index block top-k + block-sparse
-attention).  Simple and exact, and slow by design: it is the "reference gather + query-major" path the
-optimized kernels are measured against.  Query rows go through in slices sized so that one slice's score
-matrix (query heads x rows x context, float32) stays under ``SCORE_BUDGET_BYTES``, which keeps long prompts
-within memory on a GPU.
+``engine.msa.store.store_kv`` (its PyTorch path, also when Triton's CPU interpreter is on), then, request by
+request, gathers the request's pages back into contiguous ``[S, ...]`` tensors and runs ``engine.msa.reference``
+(dense causal GQA, or index block top-k + block-sparse attention).  Simple and exact, and slow by design: it is
+the "reference gather + query-major" path the optimized kernels are measured against.  Query rows go through in
+slices sized so that one slice's score matrix (query heads x rows x context, float32) stays under
+``SCORE_BUDGET_BYTES``, which keeps long prompts within memory on a GPU.
 """
 
 from dataclasses import dataclass
@@ -102,7 +102,7 @@ class ReferenceAttentionBackend:
         if self._metadata is None:
             raise RuntimeError("begin_step(metadata) must be called before the first layer")
         cache = self.kv_caches[layer]
-        store_kv(cache, self._metadata.slot_mapping, k, v, index_k)
+        store_kv(cache, self._metadata.slot_mapping, k, v, index_k, torch_only=True)
         return cache
 
     @staticmethod

@@ -81,17 +81,21 @@ def store_kv(
     k: torch.Tensor,
     v: torch.Tensor,
     index_k: torch.Tensor | None = None,
+    *,
+    torch_only: bool = False,
 ) -> None:
     """Write K, V ``[T, Hkv, D]`` (and ``index_k`` ``[T, d]`` on MSA layers) at ``slot_mapping`` ``[T]``.
 
     Slots must be unique among non-negative entries and below ``num_pages * B`` (the scheduler's
     block allocation guarantees it; it is not checked here because that would need a device sync).
+    ``torch_only`` writes with indexed assignment even where the kernel could run (the plain-PyTorch
+    reference backend, which must not slow down 10x when ``TRITON_INTERPRET=1`` is set process-wide).
     """
     _check(cache, slot_mapping, k, v, index_k)
     num_tokens = slot_mapping.shape[0]
     if num_tokens == 0:
         return
-    if use_triton(k):
+    if use_triton(k) and not torch_only:
         _store_triton(cache, slot_mapping, k, v, index_k)
         return
     block_size = cache.key.shape[2]
