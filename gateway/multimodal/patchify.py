@@ -35,11 +35,10 @@ def patchify_into(frames: np.ndarray, out: np.ndarray, patch: int, merge: int, t
     if full < grid_t:
         # The last group lacks frames: repeat the last one (an image is one frame in every slot).
         rest = frames[full * temporal :]  # 1 .. temporal - 1 frames
-        if len(rest) == 1:  # broadcast, no copy
-            tail = np.broadcast_to(rest, (temporal, *frames.shape[1:]))
-        else:
-            tail = np.concatenate([rest, np.broadcast_to(rest[-1:], (temporal - len(rest), *frames.shape[1:]))])
-        target[full:] = tail.reshape(1, temporal, *blocks).transpose(order)
+        tail = target[full:]
+        tail[:, :, :, :, :, :, : len(rest)] = rest.reshape(1, len(rest), *blocks).transpose(order)
+        for step in range(len(rest), temporal):  # copying within the output beats gathering again
+            tail[:, :, :, :, :, :, step] = tail[:, :, :, :, :, :, len(rest) - 1]
 
 
 def normalization_table(mean: Sequence[float], std: Sequence[float], rescale_factor: float) -> np.ndarray:
