@@ -80,6 +80,8 @@ TOP_DEFAULTS: dict[str, Any] = {
     "video_token_index": 200026,
     "projector_hidden_size": 6144,
 }
+# transformers' ACT2FN names the vision MLP may use.
+VISION_ACTIVATIONS = ("gelu", "gelu_pytorch_tanh", "quick_gelu")
 LEGACY_INDEX_KEYS = {
     "index_n_heads": "sparse_num_index_heads",
     "index_head_dim": "sparse_index_dim",
@@ -139,6 +141,7 @@ class VisionConfig:
     spatial_merge_size: int
     layer_norm_eps: float
     rope_theta: float
+    hidden_act: str  # one of VISION_ACTIVATIONS (transformers' ACT2FN names)
 
     @property
     def head_dim(self) -> int:
@@ -356,9 +359,13 @@ def _refuse_unsupported_sparse(legacy: dict[str, Any]) -> None:
 
 
 def _parse_vision(raw: dict[str, Any]) -> VisionConfig:
-    values = {**VISION_DEFAULTS, **raw}
-    if values["hidden_act"] != "gelu":
-        raise ConfigError(f"vision_config.hidden_act={values['hidden_act']!r} is not supported (only 'gelu')")
+    # The original MiniMax config nests the merge settings (CLIP-style vision_config).
+    legacy = raw.get("img_token_compression_config") or {}
+    values = {**VISION_DEFAULTS, **legacy, **raw}
+    if values["hidden_act"] not in VISION_ACTIVATIONS:
+        raise ConfigError(
+            f"vision_config.hidden_act={values['hidden_act']!r} is not supported ({', '.join(VISION_ACTIVATIONS)})"
+        )
     params = raw.get("rope_parameters") or {}
     rope_type = params.get("rope_type", "axial")
     if rope_type not in ("axial", "default"):
@@ -378,6 +385,7 @@ def _parse_vision(raw: dict[str, Any]) -> VisionConfig:
         spatial_merge_size=_positive(values, "spatial_merge_size"),
         layer_norm_eps=_positive_float(values, "layer_norm_eps"),
         rope_theta=float(params.get("rope_theta", values["rope_theta"])),
+        hidden_act=values["hidden_act"],
     )
 
 

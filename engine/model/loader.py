@@ -18,7 +18,7 @@ from tqdm import tqdm
 
 from m3stack.engine.model.config import M3Config, load_config
 from m3stack.engine.model.model import M3ForServing
-from m3stack.engine.model.weights import IGNORED_PREFIXES, CheckpointTensor, checkpoint_tensors
+from m3stack.engine.model.weights import IGNORED, CheckpointTensor, checkpoint_tensors
 
 logger = logging.getLogger(__name__)
 
@@ -63,7 +63,7 @@ def scan_checkpoint(path: str | Path, config: M3Config) -> CheckpointScan:
     ignored: list[str] = []
     for file in _shard_files(folder):
         for name, shape, dtype in _headers(file):
-            if name.startswith(IGNORED_PREFIXES):
+            if IGNORED.search(name):
                 ignored.append(name)
             elif name in found:
                 problems["duplicated"].append(f"{name} (in {found[name][0].name} and {file.name})")

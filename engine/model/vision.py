@@ -38,6 +38,17 @@ def normalize_patches(patches: torch.Tensor, norm: PixelNormalization) -> torch.
     return ((pixels - mean[:, None]) / std[:, None]).view(patches.shape[0], -1)
 
 
+def activate(x: torch.Tensor, name: str) -> torch.Tensor:
+    """transformers' ACT2FN semantics for the names in ``config.VISION_ACTIVATIONS``."""
+    if name == "gelu":
+        return F.gelu(x)
+    if name == "gelu_pytorch_tanh":
+        return F.gelu(x, approximate="tanh")
+    if name == "quick_gelu":
+        return x * torch.sigmoid(1.702 * x)
+    raise ValueError(f"unsupported vision activation {name!r}")
+
+
 def check_grid(grid_thw: torch.Tensor, num_patches: int, merge_size: int) -> list[tuple[int, int, int]]:
     """``grid_thw`` as host tuples, after checking it describes exactly ``num_patches`` mergeable patches."""
     if grid_thw.dim() != 2 or grid_thw.shape[1] != 3 or grid_thw.shape[0] == 0:
@@ -78,6 +89,7 @@ class VisionLayer(nn.Module):
         self.layer_norm2 = LayerNorm(width, vision.layer_norm_eps, **args)
         self.fc1 = Linear(width, vision.intermediate_size, bias=True, **args)
         self.fc2 = Linear(vision.intermediate_size, width, bias=True, **args)
+        self.activation = vision.hidden_act
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, lengths: list[int]) -> torch.Tensor:
         num = x.shape[0]
@@ -88,7 +100,7 @@ class VisionLayer(nn.Module):
             heads_first = [t.transpose(0, 1) for t in (q_i, k_i, v_i)]
             outputs.append(F.scaled_dot_product_attention(*heads_first).transpose(0, 1))
         x = x + self.out_proj(torch.cat(outputs).reshape(num, -1))
-        return x + self.fc2(F.gelu(self.fc1(self.layer_norm2(x))))
+        return x + self.fc2(activate(self.fc1(self.layer_norm2(x)), self.activation))
 
 
 class VisionTower(nn.Module):

@@ -10,6 +10,7 @@ This table is the one place that knows the layout: the loader validates and copi
 default checkpoint is generated from it.
 """
 
+import re
 from dataclasses import dataclass
 
 from m3stack.engine.model.config import M3Config
@@ -17,8 +18,8 @@ from m3stack.engine.model.config import M3Config
 LANGUAGE_PREFIX = "language_model.model."
 LM_HEAD = "language_model.lm_head.weight"
 VISION_PREFIX = "vision_tower.vision_model."
-# Tensors a checkpoint may carry that serving does not use (multi-token-prediction heads), as transformers does.
-IGNORED_PREFIXES = ("mtp.", "language_model.mtp.", "language_model.model.mtp.")
+# Tensors a checkpoint may carry that serving does not use (multi-token-prediction heads): transformers' rule.
+IGNORED = re.compile(r"(^|\.)mtp\.")
 
 
 @dataclass(frozen=True)

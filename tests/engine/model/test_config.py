@@ -127,3 +127,15 @@ def test_load_config_reads_pixel_normalization_and_names_the_file(tmp_path):
     (tmp_path / "config.json").write_text("{not json")
     with pytest.raises(ConfigError, match=r"config\.json"):
         load_config(tmp_path)
+
+
+def test_original_clip_style_vision_config_is_read():
+    raw = _with_text(index_n_heads=2)
+    raw["vision_config"] = {
+        "model_type": "clip_vision_model",
+        "hidden_size": 32,
+        "num_attention_heads": 2,
+        "img_token_compression_config": {"spatial_merge_size": 4, "temporal_patch_size": 1},
+    }
+    vision = parse_config(raw).vision
+    assert (vision.spatial_merge_size, vision.temporal_patch_size) == (4, 1)

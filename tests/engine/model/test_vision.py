@@ -1,11 +1,15 @@
 """Vision input: uint8 patch normalization vs the HF processor, tower + projector vs transformers, bad input."""
 
+import json
+import shutil
+
 import numpy as np
 import pytest
 import torch
 from PIL import Image
 from transformers import AutoProcessor, MiniMaxM3SparseForConditionalGeneration
 
+from m3stack.engine.model.config import VISION_ACTIVATIONS
 from m3stack.engine.model.loader import load_model
 from m3stack.engine.model.vision import Modality, normalize_patches
 from tests.engine.model.hf_oracle import relative_error
@@ -85,3 +89,20 @@ def test_wrong_patch_length_is_a_clear_error(ours):
 def test_unknown_modality_is_a_clear_error(ours):
     with pytest.raises(ValueError, match="'audio' is not a valid Modality"):
         ours.encode_vision(torch.zeros((4, ours.config.vision.patch_dim)), torch.tensor([[1, 2, 2]]), "audio")
+
+
+@pytest.mark.parametrize("activation", VISION_ACTIVATIONS)
+def test_vision_activations_match_transformers(tiny_model_dir, tmp_path, activation):
+    folder = tmp_path / "ckpt"
+    shutil.copytree(tiny_model_dir, folder)
+    config = json.loads((folder / "config.json").read_text())
+    config["vision_config"]["hidden_act"] = activation
+    (folder / "config.json").write_text(json.dumps(config))
+    ours = load_model(folder)[0]
+    oracle = MiniMaxM3SparseForConditionalGeneration.from_pretrained(folder, dtype=torch.float32).eval()
+    grid = torch.tensor([[2, 4, 6]])
+    patches = torch.randn((48, ours.config.vision.patch_dim), generator=torch.Generator().manual_seed(9))
+    with torch.inference_mode():
+        embeds = ours.encode_vision(patches, grid, Modality.VIDEO)
+        reference = torch.cat(oracle.get_video_features(patches, grid).pooler_output)
+    assert relative_error(embeds, reference) <= 1e-5
