@@ -12,6 +12,12 @@ status=0
 echo "== ruff"
 if ! ruff check .; then status=1; fi
 
+echo "== k8s test binaries"
+# tests/k8s runs on a control plane built from Go modules into $M3STACK_CACHE: tens of minutes
+# once, an instant check after.  Built here, not inside a test's timeout; skipped when the
+# arguments name only paths outside tests/k8s.
+if ! bash tests/k8s/infra/build --for-pytest "$@" >/dev/null; then status=1; fi
+
 echo "== pytest"
 workers=${M3STACK_TEST_WORKERS:-auto}
 # tests/gpu is the GPU suite: it needs CUDA and runs on the H200 through bench/gpu_suite.py.

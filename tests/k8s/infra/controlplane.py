@@ -41,6 +41,8 @@ log = logging.getLogger("m3stack.k8s.controlplane")
 INFRA_DIR = Path(__file__).resolve().parent
 BUILD_SCRIPT = INFRA_DIR / "build"
 NODES_MANIFEST = INFRA_DIR / "nodes.yaml"
+# Our own kwok stages, run after kwok's defaults (share/kwok-stages.yaml from the build).
+STAGES_DIR = INFRA_DIR / "stages"
 STATE_FILE = "state.json"
 CONTEXT = "m3stack-test"
 # Components in start order; stopping goes in reverse.
@@ -343,9 +345,12 @@ def _start_components(
         "kube-scheduler", f"--kubeconfig={kubeconfig}", "--leader-elect=false",
         "--bind-address=127.0.0.1", "--secure-port=0",
     )  # fmt: skip
+    stages = run_dir / "kwok-stages.yaml"
+    stage_files = [share_dir / "kwok-stages.yaml", *sorted(STAGES_DIR.glob("*.yaml"))]
+    stages.write_text("\n---\n".join(path.read_text() for path in stage_files))
     # kwok opens no port without --server-address / --node-port.
     start_component(
-        "kwok", f"--kubeconfig={kubeconfig}", f"--config={share_dir / 'kwok-stages.yaml'}",
+        "kwok", f"--kubeconfig={kubeconfig}", f"--config={stages}",
         "--manage-all-nodes=false", "--manage-nodes-with-annotation-selector=kwok.x-k8s.io/node=fake",
         "--manage-nodes-with-label-selector=", "--manage-single-node=",
         f"--cidr={POD_CIDR}", f"--node-ip={NODE_IP}", "--node-lease-duration-seconds=40",
@@ -389,8 +394,11 @@ def stop(run_dir: Path, *, remove: bool = True) -> None:
     period), then removes run_dir unless remove=False.  Safe to call twice."""
     with contextlib.suppress(ControlPlaneError):
         plane = load(run_dir)
-        terminate({name: plane.processes[name] for name in reversed(COMPONENTS) if name in plane.processes},
-                  STOP_GRACE_S)  # fmt: skip
+        # One at a time, clients first: an API server whose etcd is already gone spends its whole
+        # grace period retrying instead of exiting.
+        for name in reversed(COMPONENTS):
+            if name in plane.processes:
+                terminate({name: plane.processes[name]}, STOP_GRACE_S)
     if remove:
         shutil.rmtree(run_dir, ignore_errors=True)
 

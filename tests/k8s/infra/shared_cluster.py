@@ -41,9 +41,17 @@ class SharedControlPlane:
         self._failure_file = state_dir / "failure.txt"
 
     @contextlib.contextmanager
-    def _locked(self, blocking: bool = True) -> Iterator[bool]:
-        self.state_dir.mkdir(parents=True, exist_ok=True)
-        with open(self.state_dir / "lock", "w") as lock_file:
+    def _locked(self, *, blocking: bool = True, create: bool = True) -> Iterator[bool]:
+        """Holds the run's lock; yields False instead when it is busy (blocking=False) or when the
+        state folder is gone (create=False: the reaper must not recreate what release removed)."""
+        if create:
+            self.state_dir.mkdir(parents=True, exist_ok=True)
+        with contextlib.ExitStack() as stack:
+            try:
+                lock_file = stack.enter_context(open(self.state_dir / "lock", "a"))
+            except FileNotFoundError:
+                yield False
+                return
             try:
                 fcntl.flock(lock_file, fcntl.LOCK_EX | (0 if blocking else fcntl.LOCK_NB))
             except BlockingIOError:
@@ -115,7 +123,7 @@ class SharedControlPlane:
         """Waits until no holder is alive, then stops the control plane (the reaper's loop)."""
         while self.run_dir.exists():
             time.sleep(REAP_INTERVAL_S)
-            with self._locked(blocking=False) as locked:
+            with self._locked(blocking=False, create=False) as locked:
                 # A holder busy under the lock (starting, registering) is alive by definition.
                 if locked and self.run_dir.exists() and not self._live_holders():
                     log.info("no test process holds %s any more: stopping it", self.run_dir)
