@@ -50,14 +50,14 @@ SWEEP_CONTEXT = 131072
 INDEX_CONFIGS = [
     IndexTuning(tile_tokens=32, num_warps=8, num_stages=3),
     IndexTuning(tile_tokens=32, num_warps=8, num_stages=2),
-    IndexTuning(tile_tokens=32, num_warps=4, num_stages=3),
     IndexTuning(tile_tokens=16, num_warps=4, num_stages=3),
+    IndexTuning(tile_tokens=64, num_warps=16, num_stages=2),
 ]
 BLOCK_MAJOR_CONFIGS = [
     PrefillTuning(tile_tokens=8, num_warps=8, num_stages=2),
     PrefillTuning(tile_tokens=8, num_warps=8, num_stages=3),
     PrefillTuning(tile_tokens=4, num_warps=4, num_stages=2),
-    PrefillTuning(tile_tokens=8, num_warps=4, num_stages=2),
+    PrefillTuning(tile_tokens=4, num_warps=4, num_stages=3),
 ]
 # Then, with the fastest of those (runtime arguments, no recompiles): work-item size and workspace.
 QUERIES_PER_ITEM = [64, 128, 256]

@@ -77,11 +77,14 @@ def _store_selection(
     slot = tl.arange(0, KP)[None, :]
     valid = (st_id >= 0) & (slot < K_RANK)
     num_valid = tl.sum(valid.to(tl.int32), axis=1)
-    # The output column of a valid entry is the number of valid entries that beat it.
-    s_other = st_score[:, None, :]
-    s_self = st_score[:, :, None]
-    beats = valid[:, None, :] & ((s_other > s_self) | ((s_other == s_self) & (st_id[:, None, :] < st_id[:, :, None])))
-    rank = tl.sum(beats.to(tl.int32), axis=2)
+    # The output column of a valid entry is the number of valid entries that beat it; one column
+    # of competitors at a time keeps this in [M, KP] registers.
+    rank = tl.zeros_like(st_id)
+    for j in tl.static_range(K_RANK):
+        score_j = tl.sum(tl.where(slot == j, st_score, 0.0), axis=1)[:, None]
+        id_j = tl.sum(tl.where(slot == j, st_id, 0), axis=1)[:, None]
+        beats = (id_j >= 0) & ((score_j > st_score) | ((score_j == st_score) & (id_j < st_id)))
+        rank += beats.to(tl.int32)
     tl.store(out_ptr + row_offset[:, None] + rank, st_id, mask=row_mask[:, None] & valid)
     tail = slot - num_valid[:, None]
     tail_value = tl.where(tail < num_local[:, None], first_local[:, None] + tail, -1)
@@ -160,7 +163,7 @@ def _index_topk_merge_kernel(
     st_score, st_id = _topk_init(TILE * HP, KP, K_RANK)
     for split in range(NUM_SPLITS):
         base = ((split * H + head) * n_tokens + token) * KP
-        for slot in tl.static_range(K_RANK):
+        for slot in range(K_RANK):
             cand_score = tl.load(cand_score_ptr + base + slot, mask=row_mask, other=NEG_INF)
             cand_id = tl.load(cand_id_ptr + base + slot, mask=row_mask, other=-1)
             st_score, st_id = _topk_insert(st_score, st_id, cand_score, cand_id)
@@ -253,6 +256,6 @@ def prefill_index_topk(
     if num_splits > 1:
         _index_topk_merge_kernel[(tiles.count,)](
             metadata.positions, tiles.table, out, cand_score, cand_id, tiles.count, num_tokens,
-            NUM_SPLITS=num_splits, num_warps=4, **shape_args,
+            NUM_SPLITS=num_splits, num_warps=8, **shape_args,
         )  # fmt: skip
     return out

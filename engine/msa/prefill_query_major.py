@@ -38,21 +38,25 @@ def _query_major_kernel(
     total = tl.zeros((GP,), dtype=tl.float32)
     acc = tl.zeros((GP, DP), dtype=tl.float32)
     for k in range(K):
+        # Branch-free, so the pipeliner can prefetch the next blocks: an invalid slot (-1, or a
+        # block after the token's own) loads nothing and scores -inf.
         block = tl.load(sel_ptr + head * stride_sh + token * stride_st + k).to(tl.int32)
-        if (block >= 0) & (block <= position // B):
-            keys, values = load_kv_block(
-                k_ptr, v_ptr, tl.load(page_table_ptr + request * stride_pt + block).to(tl.int64), head,
-                seq_len - block * B, stride_kp, stride_kh, stride_kb, stride_vp, stride_vh, stride_vb, B, D, DP,
-            )
-            key_position = block * B + tl.arange(0, B)
-            scores = tl.dot(q, tl.trans(keys), input_precision=INPUT_PRECISION) * scale_log2
-            scores = tl.where(key_position[None, :] <= position, scores, NEG_INF)
-            new_max = tl.maximum(run_max, tl.max(scores, axis=1))
-            probs = tl.exp2(scores - new_max[:, None])
-            alpha = tl.exp2(run_max - new_max)
-            total = total * alpha + tl.sum(probs, axis=1)
-            acc = acc * alpha[:, None] + tl.dot(probs.to(values.dtype), values, input_precision=INPUT_PRECISION)
-            run_max = new_max
+        live = (block >= 0) & (block <= position // B)
+        page = tl.load(page_table_ptr + request * stride_pt + block, mask=live, other=0).to(tl.int64)
+        keys, values = load_kv_block(
+            k_ptr, v_ptr, page, head, tl.where(live, seq_len - block * B, 0),
+            stride_kp, stride_kh, stride_kb, stride_vp, stride_vh, stride_vb, B, D, DP,
+        )
+        key_position = block * B + tl.arange(0, B)
+        scores = tl.dot(q, tl.trans(keys), input_precision=INPUT_PRECISION) * scale_log2
+        scores = tl.where(live & (key_position[None, :] <= position), scores, NEG_INF)
+        new_max = tl.maximum(run_max, tl.max(scores, axis=1))
+        safe_max = tl.where(new_max == NEG_INF, 0.0, new_max)
+        probs = tl.exp2(scores - safe_max[:, None])
+        alpha = tl.exp2(run_max - safe_max)
+        total = total * alpha + tl.sum(probs, axis=1)
+        acc = acc * alpha[:, None] + tl.dot(probs.to(values.dtype), values, input_precision=INPUT_PRECISION)
+        run_max = new_max
     acc = acc / tl.where(total > 0, total, 1.0)[:, None]
     tl.store(out_ptr + token * stride_ot + (head * G + g)[:, None] * stride_oh + d[None, :],
              acc.to(out_ptr.dtype.element_ty), mask=io_mask)
