@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
+from m3stack.engine.attention.flashinfer_dense import FlashInferDense
 from m3stack.engine.attention.metadata import AttentionMetadata
 from m3stack.engine.kv_cache.tensors import LayerKVCache
 from m3stack.engine.msa.decode_attention import (
@@ -29,7 +30,7 @@ from m3stack.engine.msa.decode_attention import (
     sparse_decode_attention,
 )
 from m3stack.engine.msa.decode_index import MAX_DECODE_COLUMNS, ScanConfig, decode_index_topk
-from m3stack.engine.msa.decode_plan import SparseDecodePlan, SparseDecodeShape, plan_sparse_decode
+from m3stack.engine.msa.decode_plan import DecodePlanBuffers, SparseDecodePlan, SparseDecodeShape, plan_sparse_decode
 from m3stack.engine.msa.launch import use_triton
 from m3stack.engine.msa.paged_attention import PageRows, paged_attention
 from m3stack.engine.msa.prefill_attention import sparse_prefill
@@ -44,52 +45,36 @@ class _StepPlan:
     """What ``begin_step`` prepared for every layer of the step."""
 
     dense_rows: PageRows
+    dense_flashinfer: FlashInferDense | None
     decode: SparseDecodePlan | None  # None: MSA layers take the prefill path this step
+    sparse_flashinfer: FlashInferSparseDecode | None
 
 
-class _FlashInferDense:
-    """FlashInfer paged attention for the dense layers: decode or causal prefill, HND, page = block."""
+@dataclass
+class _DecodeSlot:
+    """Everything a pure-decode step of one batch size plans into, at fixed device addresses: CUDA
+    graphs captured for that size replay over it (engine.runtime.cuda_graphs)."""
 
-    def __init__(self, workspace: torch.Tensor) -> None:
-        import flashinfer  # lazily: absent on CPU hosts and in CI
-
-        self._decode = flashinfer.BatchDecodeWithPagedKVCacheWrapper(workspace, "HND", use_tensor_cores=True)
-        self._prefill = flashinfer.BatchPrefillWithPagedKVCacheWrapper(workspace, "HND")
-        self._active = self._decode
-
-    def plan(self, metadata: AttentionMetadata, num_q_heads: int, cache: LayerKVCache) -> None:
-        _, num_kv_heads, block_size, head_dim = cache.key.shape
-        seq_lens = metadata.seq_lens_cpu.to(torch.int64)
-        pages = (seq_lens + block_size - 1) // block_size
-        indptr = torch.zeros(metadata.num_requests + 1, dtype=torch.int32)
-        torch.cumsum(pages, 0, out=indptr[1:])
-        last_page_len = ((seq_lens - 1) % block_size + 1).to(torch.int32)
-        # Every request's pages, concatenated: gathered on the device from host-known counts.
-        request = torch.repeat_interleave(torch.arange(metadata.num_requests), pages)
-        local = torch.arange(int(indptr[-1])) - indptr[:-1].to(torch.int64)[request]
-        device = metadata.page_table.device
-        indices = metadata.page_table[request.to(device), local.to(device)]
-        common = dict(q_data_type=cache.key.dtype, kv_data_type=cache.key.dtype, sm_scale=head_dim**-0.5)
-        if metadata.is_pure_decode:
-            self._active = self._decode
-            self._decode.plan(indptr, indices, last_page_len, num_q_heads, num_kv_heads, head_dim, block_size,
-                              **common)  # fmt: skip
-        else:
-            self._active = self._prefill
-            self._prefill.plan(metadata.query_start_loc_cpu, indptr, indices, last_page_len, num_q_heads,
-                               num_kv_heads, head_dim, block_size, causal=True, **common)  # fmt: skip
-
-    def run(self, q: torch.Tensor, cache: LayerKVCache) -> torch.Tensor:
-        return self._active.run(q.contiguous(), (cache.key, cache.value))
+    token_request: torch.Tensor  # arange(R) int32
+    plan_buffers: DecodePlanBuffers | None  # None without MSA layers
+    dense_flashinfer: FlashInferDense | None
+    sparse_flashinfer: FlashInferSparseDecode | None
 
 
 class GpuAttentionBackend:
     """``AttentionBackend`` over ``kv_caches`` (one ``LayerKVCache`` per layer) on a CUDA device.
 
     ``topk_blocks`` / ``local_blocks`` are the model's MSA settings.  ``num_q_heads`` lets
-    ``begin_step`` plan everything up front (needed to capture the layers in a CUDA graph); without
-    it the plan is made at the step's first layer.  ``use_flashinfer`` defaults to "when installed".
+    ``begin_step`` plan everything up front, as CUDA graphs need (without it the plan is made at
+    the step's first layer, which must then run eagerly).  ``use_flashinfer`` defaults to "when
+    installed".  Pure-decode steps plan into buffers kept per batch size, and every launch size
+    follows the page table's width, so graphs captured per batch size replay over later steps.
     """
+
+    @property
+    def supports_cuda_graphs(self) -> bool:
+        """Capturable when ``begin_step`` plans everything (``num_q_heads`` given)."""
+        return self.num_q_heads is not None
 
     def __init__(
         self,
@@ -115,13 +100,15 @@ class GpuAttentionBackend:
         self.scan_config = scan_config or ScanConfig()
         self._index_head_dim = sparse_layer.index_key.shape[2] if sparse_layer is not None else None
         self.use_flashinfer = flashinfer_available(self.device) if use_flashinfer is None else use_flashinfer
-        self._fi_dense: _FlashInferDense | None = None
+        self._workspace: torch.Tensor | None = None
+        self._fi_dense: FlashInferDense | None = None
         self._fi_sparse: FlashInferSparseDecode | None = None
         if self.use_flashinfer:
             # One split-K workspace for every wrapper: their runs follow each other on one stream.
-            workspace = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=self.device)
-            self._fi_dense = _FlashInferDense(workspace)
-            self._fi_sparse = FlashInferSparseDecode(self.device, workspace)
+            self._workspace = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=self.device)
+            self._fi_dense = FlashInferDense(self._workspace)
+            self._fi_sparse = FlashInferSparseDecode(self.device, self._workspace)
+        self._decode_slots: dict[int, _DecodeSlot] = {}
         self._metadata: AttentionMetadata | None = None
         self._step: _StepPlan | None = None
         logger.info("GPU attention backend on %s (FlashInfer: %s)", self.device, self.use_flashinfer)
@@ -138,32 +125,54 @@ class GpuAttentionBackend:
         if self.num_q_heads is not None:
             self._step = self._plan(metadata, self.num_q_heads)
 
-    def _plan(self, metadata: AttentionMetadata, num_q_heads: int) -> _StepPlan:
-        cache = self.kv_caches[0]
-        _, num_kv_heads, block_size, head_dim = cache.key.shape
-        request = torch.repeat_interleave(torch.arange(metadata.num_requests), metadata.query_lens_cpu.to(torch.int64))
-        dense_rows = PageRows(
-            token_request=request.to(torch.int32).to(self.device, non_blocking=True),
-            positions=metadata.positions,
-            page_table=metadata.page_table,
-            row_indptr=None,
-            page_ids=None,
-            last_len=None,
-            max_pages=-(-metadata.max_seq_len // block_size),
-        )
-        if self._fi_dense is not None and metadata.num_tokens:
-            self._fi_dense.plan(metadata, num_q_heads, cache)
-        decode = None
-        if self._index_head_dim is not None and metadata.max_query_len * num_kv_heads <= MAX_DECODE_COLUMNS:
-            shape = SparseDecodeShape(
-                num_q_heads=num_q_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
-                index_head_dim=self._index_head_dim, block_size=block_size, topk=self.topk_blocks,
-                local_blocks=self.local_blocks,
+    def _sparse_shape(self, num_q_heads: int) -> SparseDecodeShape | None:
+        if self._index_head_dim is None:
+            return None
+        _, num_kv_heads, block_size, head_dim = self.kv_caches[0].key.shape
+        return SparseDecodeShape(
+            num_q_heads=num_q_heads, num_kv_heads=num_kv_heads, head_dim=head_dim, index_head_dim=self._index_head_dim,
+            block_size=block_size, topk=self.topk_blocks, local_blocks=self.local_blocks,
+        )  # fmt: skip
+
+    def _decode_slot(self, num_requests: int, shape: SparseDecodeShape | None) -> _DecodeSlot:
+        slot = self._decode_slots.get(num_requests)
+        if slot is None:
+            buffers = DecodePlanBuffers(num_requests, shape, self.device) if shape is not None else None
+            slot = _DecodeSlot(
+                token_request=torch.arange(num_requests, dtype=torch.int32, device=self.device),
+                plan_buffers=buffers,
+                dense_flashinfer=FlashInferDense(self._workspace, num_requests) if self.use_flashinfer else None,
+                sparse_flashinfer=(FlashInferSparseDecode(self.device, self._workspace, buffers)
+                                   if self.use_flashinfer and buffers is not None else None),
             )  # fmt: skip
-            decode = plan_sparse_decode(metadata, shape, self.device)
-            if self._fi_sparse is not None:
-                self._fi_sparse.plan(decode, cache.key.dtype, head_dim**-0.5)
-        return _StepPlan(dense_rows=dense_rows, decode=decode)
+            self._decode_slots[num_requests] = slot
+        return slot
+
+    def _plan(self, metadata: AttentionMetadata, num_q_heads: int) -> _StepPlan:
+        key_cache = self.kv_caches[0].key
+        num_kv_heads, head_dim = key_cache.shape[1], key_cache.shape[3]
+        shape = self._sparse_shape(num_q_heads)
+        if metadata.is_pure_decode:
+            slot = self._decode_slot(metadata.num_requests, shape)
+            token_request, buffers = slot.token_request, slot.plan_buffers
+            dense_fi, sparse_fi = slot.dense_flashinfer, slot.sparse_flashinfer
+        else:
+            lens = metadata.query_lens_cpu.to(torch.int64)
+            request = torch.repeat_interleave(torch.arange(metadata.num_requests, dtype=torch.int32), lens)
+            token_request, buffers = request.to(self.device, non_blocking=True), None
+            dense_fi, sparse_fi = self._fi_dense, self._fi_sparse
+        # Launch sizes follow the page table's width, fixed across the steps a CUDA graph replays.
+        dense_rows = PageRows(token_request=token_request, positions=metadata.positions,
+                              page_table=metadata.page_table, row_indptr=None, page_ids=None, last_len=None,
+                              max_pages=metadata.page_table.shape[1])  # fmt: skip
+        if dense_fi is not None and metadata.num_tokens:
+            dense_fi.plan(metadata, num_q_heads, key_cache)
+        decode = None
+        if shape is not None and metadata.max_query_len * num_kv_heads <= MAX_DECODE_COLUMNS:
+            decode = plan_sparse_decode(metadata, shape, self.device, buffers=buffers)
+            if sparse_fi is not None:
+                sparse_fi.plan(decode, key_cache.dtype, head_dim**-0.5)
+        return _StepPlan(dense_rows, dense_fi, decode, sparse_fi)
 
     def _begin_layer(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                      index_k: torch.Tensor | None) -> tuple[AttentionMetadata, _StepPlan, LayerKVCache]:  # fmt: skip
@@ -182,8 +191,8 @@ class GpuAttentionBackend:
         _, step, cache = self._begin_layer(layer, q, k, v, None)
         if q.shape[0] == 0:
             return torch.empty_like(q)
-        if self._fi_dense is not None:
-            return self._fi_dense.run(q, cache)
+        if step.dense_flashinfer is not None:
+            return step.dense_flashinfer.run(q, cache.key, cache.value)
         return paged_attention(q, cache.key, cache.value, step.dense_rows, q.shape[-1] ** -0.5)
 
     def sparse(
@@ -203,8 +212,7 @@ class GpuAttentionBackend:
         scale = q.shape[-1] ** -0.5
         if step.decode is not None:
             decode_index_topk(index_q, cache.index_key, metadata, step.decode, self.scan_config)
-            return sparse_decode_attention(
-                q, cache.key, cache.value, step.decode, metadata.positions, metadata.page_table, scale, self._fi_sparse
-            )
+            return sparse_decode_attention(q, cache.key, cache.value, step.decode, metadata.positions,
+                                           metadata.page_table, scale, step.sparse_flashinfer)  # fmt: skip
         selection = prefill_index_topk(index_q, cache.index_key, metadata, self.topk_blocks, self.local_blocks)
         return sparse_prefill(q, cache.key, cache.value, selection, metadata, scale)

@@ -17,7 +17,7 @@ import logging
 
 import torch
 
-from m3stack.engine.msa.decode_plan import SparseDecodePlan
+from m3stack.engine.msa.decode_plan import DecodePlanBuffers, SparseDecodePlan
 from m3stack.engine.msa.paged_attention import PageRows, check_out, check_paged_inputs, paged_attention
 
 logger = logging.getLogger(__name__)
@@ -34,25 +34,41 @@ def flashinfer_available(device: torch.device) -> bool:
 class FlashInferSparseDecode:
     """FlashInfer paged decode over the flattened (token, KV head) rows of a ``SparseDecodePlan``."""
 
-    def __init__(self, device: torch.device, workspace: torch.Tensor | None = None) -> None:
+    def __init__(
+        self,
+        device: torch.device,
+        workspace: torch.Tensor | None = None,
+        buffers: DecodePlanBuffers | None = None,
+    ) -> None:
+        """With ``buffers``, FlashInfer runs in its CUDA-graph mode over them (plans of that token count only)."""
         import flashinfer  # lazily: absent on CPU hosts and in CI
 
         self._workspace = workspace if workspace is not None else torch.zeros(
             WORKSPACE_BYTES, dtype=torch.uint8, device=device
         )  # fmt: skip
+        self._buffers = buffers
         # Group size 16 (M3) is served only by the tensor-core (prefill-kernel) decode path.
-        self._wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(self._workspace, "HND", use_tensor_cores=True)
+        if buffers is None:
+            self._wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(self._workspace, "HND", use_tensor_cores=True)
+        else:
+            self._wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
+                self._workspace, "HND", use_cuda_graph=True, use_tensor_cores=True,
+                paged_kv_indptr_buffer=buffers.row_indptr, paged_kv_indices_buffer=buffers.page_ids,
+                paged_kv_last_page_len_buffer=buffers.last_page_len,
+            )  # fmt: skip
         self._plan: SparseDecodePlan | None = None
 
     def plan(self, plan: SparseDecodePlan, dtype: torch.dtype, scale: float) -> None:
         """Host-side planning for a step; ``plan.page_ids`` is read by ``run`` after the indexer fills it."""
         shape = plan.shape
+        if self._buffers is not None and plan.page_ids is not self._buffers.page_ids:
+            raise ValueError("a CUDA-graph FlashInferSparseDecode plans only over its own DecodePlanBuffers")
         self._plan = plan
         if plan.num_rows == 0:
             return
         self._wrapper.plan(
             plan.row_indptr_cpu,
-            plan.page_ids,
+            plan.page_ids[: int(plan.row_indptr_cpu[-1])],
             plan.last_page_len_cpu,
             num_qo_heads=shape.num_q_heads // shape.num_kv_heads,
             num_kv_heads=1,

@@ -90,14 +90,55 @@ def default_scan_splits(num_requests: int, max_candidate_blocks: int, device: to
     return max(1, min(by_occupancy, by_length, MAX_SCAN_SPLITS))
 
 
+class DecodePlanBuffers:
+    """Device tensors of ``SparseDecodePlan`` that stay put across steps of one token count, so a CUDA
+    graph captured once replays over every later step's plan (the runner captures per batch size)."""
+
+    def __init__(self, num_tokens: int, shape: SparseDecodeShape, device: torch.device) -> None:
+        rows = num_tokens * shape.num_kv_heads
+        self.num_tokens = num_tokens
+        self.token_request = torch.zeros(num_tokens, dtype=torch.int32, device=device)
+        self.row_indptr = torch.zeros(rows + 1, dtype=torch.int32, device=device)
+        self.last_page_len = torch.ones(rows, dtype=torch.int32, device=device)
+        self.page_ids = torch.zeros(max(rows * shape.topk, 1), dtype=torch.int32, device=device)
+        # One pinned staging area, so the per-step copies are asynchronous; the event keeps the next
+        # step from overwriting it before the previous copies have left.
+        on_cuda = device.type == "cuda"
+        self._staging = torch.empty(num_tokens + 2 * rows + 1, dtype=torch.int32, pin_memory=on_cuda)
+        self._copied = torch.cuda.Event() if on_cuda else None
+
+    def fill(self, token_request: torch.Tensor, row_indptr: torch.Tensor, last_page_len: torch.Tensor) -> None:
+        if token_request.numel() != self.num_tokens:
+            raise ValueError(f"buffers are for {self.num_tokens} tokens, the step has {token_request.numel()}")
+        if self._copied is not None:
+            self._copied.synchronize()
+        parts = (token_request, row_indptr, last_page_len)
+        targets = (self.token_request, self.row_indptr, self.last_page_len)
+        offset = 0
+        for part, target in zip(parts, targets, strict=True):
+            staged = self._staging[offset : offset + part.numel()]
+            staged.copy_(part)
+            target.copy_(staged, non_blocking=True)
+            offset += part.numel()
+        if self._copied is not None:
+            self._copied.record()
+
+
 def plan_sparse_decode(
     metadata: AttentionMetadata,
     shape: SparseDecodeShape,
     device: torch.device,
     scan_splits: int | None = None,
+    buffers: DecodePlanBuffers | None = None,
 ) -> SparseDecodePlan:
-    """Plan a decode step from host-known lengths; ``scan_splits`` fixes the index-scan grid (e.g.
-    for a CUDA graph captured at a bucket's largest context), otherwise it follows the lengths."""
+    """Plan a decode step from host-known lengths.
+
+    Launch sizes follow the page table's width (the longest context the step's buffers can hold),
+    not the step's own lengths, so a CUDA graph captured over fixed-width buffers stays valid; an
+    eager step's page table is exactly as wide as its longest request.  ``scan_splits`` overrides
+    the index scan's programs per request.  With ``buffers``, the plan's device tensors are those
+    buffers (filled here), otherwise fresh tensors.
+    """
     if metadata.block_size != shape.block_size:
         raise ValueError(f"metadata.block_size {metadata.block_size} differs from the model's {shape.block_size}")
     request, positions = token_positions_cpu(metadata)
@@ -107,25 +148,32 @@ def plan_sparse_decode(
     row_indptr = torch.zeros(pages_per_row.numel() + 1, dtype=torch.int32)
     torch.cumsum(pages_per_row, 0, out=row_indptr[1:])
     last_page_len = (positions % shape.block_size + 1).to(torch.int32).repeat_interleave(shape.num_kv_heads)
-    # The candidate (ranked) blocks of a request end where its last token's local blocks begin.
-    last_block = (metadata.seq_lens_cpu.to(torch.int64) - 1) // shape.block_size
-    candidates = last_block + 1 - torch.clamp(last_block + 1, max=shape.local_blocks)
-    max_candidates = int(candidates.max()) if metadata.num_requests else 0
+    width = metadata.page_table.shape[1]
     if scan_splits is None:
-        scan_splits = default_scan_splits(metadata.num_requests, max_candidates, device)
+        # Candidate blocks are those before the local ones: at most width - local_blocks per request.
+        scan_splits = default_scan_splits(metadata.num_requests, max(0, width - shape.local_blocks), device)
     if not 1 <= scan_splits <= MAX_SCAN_SPLITS:
         raise ValueError(f"scan_splits must be in [1, {MAX_SCAN_SPLITS}], got {scan_splits}")
+    request = request.to(torch.int32)
+    if buffers is not None:
+        buffers.fill(request, row_indptr, last_page_len)
+        tensors = (buffers.token_request, buffers.row_indptr, buffers.last_page_len, buffers.page_ids)
+    else:
+        page_ids = torch.empty(max(int(row_indptr[-1]), 1), dtype=torch.int32, device=device)
+        moved = (t.to(device, non_blocking=True) for t in (request, row_indptr, last_page_len))
+        tensors = (*moved, page_ids)
+    token_request_dev, row_indptr_dev, last_page_len_dev, page_ids_dev = tensors
     return SparseDecodePlan(
         shape=shape,
         num_requests=metadata.num_requests,
         num_tokens=metadata.num_tokens,
         max_query_len=metadata.max_query_len,
-        token_request=request.to(torch.int32).to(device, non_blocking=True),
-        row_indptr=row_indptr.to(device, non_blocking=True),
+        token_request=token_request_dev,
+        row_indptr=row_indptr_dev,
         row_indptr_cpu=row_indptr,
-        last_page_len=last_page_len.to(device, non_blocking=True),
+        last_page_len=last_page_len_dev,
         last_page_len_cpu=last_page_len,
-        page_ids=torch.empty(max(int(row_indptr[-1]), 1), dtype=torch.int32, device=device),
-        max_row_pages=int(pages_per_token.max()) if metadata.num_tokens else 0,
+        page_ids=page_ids_dev,
+        max_row_pages=min(shape.topk, width),
         scan_splits=scan_splits,
     )

@@ -12,7 +12,7 @@ import torch
 
 from m3stack.engine.attention.gpu import GpuAttentionBackend
 from m3stack.engine.attention.reference import ReferenceAttentionBackend
-from m3stack.engine.kv_cache.tensors import KVCacheSpec, allocate_kv_cache
+from m3stack.engine.kv_cache.tensors import KVCacheSpec, LayerKVCache, allocate_kv_cache
 from m3stack.engine.msa import reference
 from m3stack.engine.msa.decode_attention import FlashInferSparseDecode, sparse_decode_attention
 from m3stack.engine.msa.decode_index import ScanConfig, decode_index_topk
@@ -182,3 +182,74 @@ def test_backend_matches_reference_backend_over_steps() -> None:
         torch.testing.assert_close(gpu_sparse.float(), ref_sparse.float(), atol=OUT_TOLERANCE, rtol=OUT_TOLERANCE)
         for request, new in step.items():
             done[request] += new
+
+
+def test_backend_decode_graph_replays_a_later_step() -> None:
+    """As engine.runtime.cuda_graphs does: plan a pure-decode step over fixed buffers, capture the
+    dense and MSA layers once, then stage a step with other contexts into the same buffers, plan it
+    (host only) and replay: the result must match the reference backend on that later step."""
+    block, width, num_pages = SHAPE.block_size, 80, 400
+    spec = KVCacheSpec(
+        num_layers=2, num_kv_heads=SHAPE.num_kv_heads, head_dim=SHAPE.head_dim, block_size=block,
+        index_head_dim=SHAPE.index_head_dim, sparse_layers=(False, True), dtype=torch.bfloat16,
+    )  # fmt: skip
+    generator = torch.Generator().manual_seed(77)
+
+    def random_like(tensor: torch.Tensor, integers: bool = False) -> torch.Tensor:
+        values = torch.randn(tensor.shape, generator=generator)
+        return values.round() if integers else values  # integer index vectors: exact scores, exact ties
+
+    gpu_caches = allocate_kv_cache(spec, num_pages, "cuda")
+    for layer in gpu_caches:
+        layer.key.copy_(random_like(layer.key))
+        layer.value.copy_(random_like(layer.value))
+        if layer.index_key is not None:
+            layer.index_key.copy_(random_like(layer.index_key, integers=True))
+    ref_caches = [
+        LayerKVCache(
+            layer.key.clone(), layer.value.clone(), None if layer.index_key is None else layer.index_key.clone()
+        )
+        for layer in gpu_caches
+    ]
+    gpu = GpuAttentionBackend(gpu_caches, topk_blocks=SHAPE.topk, local_blocks=SHAPE.local_blocks,
+                              num_q_heads=SHAPE.num_q_heads)  # fmt: skip
+    ref = ReferenceAttentionBackend(ref_caches, topk_blocks=SHAPE.topk, local_blocks=SHAPE.local_blocks)
+    pages = torch.randperm(num_pages - 1, generator=generator)[: 3 * width].view(3, width).cuda() + 1
+    heads, kv_heads, dim = SHAPE.num_q_heads, SHAPE.num_kv_heads, SHAPE.head_dim
+    # Persistent layer inputs and metadata tensors, like the runner's padded decode buffers.
+    dense_in = [torch.empty(3, *shape, dtype=torch.bfloat16, device="cuda")
+                for shape in ((heads, dim), (kv_heads, dim), (kv_heads, dim))]  # fmt: skip
+    sparse_in = [torch.empty(3, *shape, dtype=torch.bfloat16, device="cuda")
+                 for shape in ((heads, dim), (kv_heads, dim), (kv_heads, dim), (kv_heads, dim), (dim,))]  # fmt: skip
+    fixed = step_metadata({0: 1, 1: 1, 2: 1}, {0: 299, 1: 4999, 2: 69}, pages, block)
+    device_fields = ("query_start_loc", "seq_lens", "positions", "slot_mapping", "page_table")
+
+    def stage(done: dict[int, int]) -> None:
+        """A new decode step into the fixed tensors, fresh layer inputs, both backends planned."""
+        step = step_metadata({0: 1, 1: 1, 2: 1}, done, pages, block)
+        for name in device_fields:
+            getattr(fixed, name).copy_(getattr(step, name))
+        fixed.seq_lens_cpu.copy_(step.seq_lens_cpu)
+        for tensor in dense_in + sparse_in[:3]:
+            tensor.copy_(random_like(tensor))
+        for tensor in sparse_in[3:]:
+            tensor.copy_(random_like(tensor, integers=True))
+        ref.begin_step(fixed)
+        gpu.begin_step(fixed)
+
+    def layers(backend: GpuAttentionBackend | ReferenceAttentionBackend) -> tuple[torch.Tensor, torch.Tensor]:
+        return backend.dense(0, *dense_in), backend.sparse(1, *sparse_in)
+
+    stage({0: 299, 1: 4999, 2: 69})
+    layers(ref)
+    layers(gpu)  # warm-up outside the capture (compiles); stores the same keys as the reference did
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = layers(gpu)  # recorded, not run
+    stage({0: 9000, 1: 120, 2: 6001})
+    want = layers(ref)
+    graph.replay()
+    torch.cuda.synchronize()
+    for expected, actual in zip(want, captured, strict=True):
+        torch.testing.assert_close(actual.float(), expected.float(), atol=OUT_TOLERANCE, rtol=OUT_TOLERANCE)
