@@ -6,6 +6,7 @@ One request prefills ``context`` tokens from scratch (T = context), pages shuffl
 fresh random bf16 inputs.  Run (GPU machine, from the repository root):
 
     python -m bench.msa_prefill [--out DIR] [--contexts 8192,32768,131072,262144,1048576]
+    python -m bench.msa_prefill --table bench/results/msa_prefill.json   # the tables again, no GPU needed
 
 Writes ``<out or bench/results>/msa_prefill.json`` after every context (rows: ``context``,
 ``indexer_ms``, ``block_major_ms``, ``query_major_ms``, ``msa_total_ms``, ``dense_ms`` and the
@@ -18,6 +19,7 @@ Dense runs up to 256K; beyond, ``dense_ms_extrapolated`` scales the 256K time by
 
 import argparse
 import dataclasses
+import json
 import logging
 import math
 import statistics
@@ -193,6 +195,18 @@ def dense_sdpa(layer: Layer) -> Callable[[], Any]:
     return run
 
 
+def describe(config: Any) -> str:
+    """A launch config in a few words: its fields that are set (nested configs flattened)."""
+    parts = []
+    for field in dataclasses.fields(config):
+        value = getattr(config, field.name)
+        if dataclasses.is_dataclass(value):
+            parts.append(describe(value))
+        elif value is not None:
+            parts.append(f"{field.name}={value >> 20}MiB" if field.name.endswith("bytes") else f"{field.name}={value}")
+    return " ".join(parts)
+
+
 def attempt(row: dict[str, Any], key: str, fn: Callable[[], float]) -> float | None:
     try:
         value = fn()
@@ -212,7 +226,7 @@ def sweep(layer: Layer) -> tuple[IndexTuning, AttentionConfig, list[dict[str, An
     def fastest(kernel: str, configs: list, run: Callable[[Any], Any]) -> Any:
         best, best_ms = configs[0], math.inf
         for config in configs:
-            entry = {"kernel": kernel, "config": repr(config), "context": context}
+            entry = {"kernel": kernel, "config": describe(config), "context": context}
             ms = attempt(entry, "ms", lambda c=config: time_ms(lambda: run(c)))
             results.append(entry)
             logger.info("sweep %s %s: %s ms", kernel, entry["config"], ms)
@@ -289,8 +303,13 @@ def main() -> int:
     parser.add_argument("--contexts", default="8192,32768,131072,262144,1048576")
     parser.add_argument("--budget-s", type=float, default=370.0, help="skip contexts once this much time has passed")
     parser.add_argument("--no-sweep", action="store_true", help="use the default launch configs")
+    parser.add_argument("--table", type=Path, default=None, help="print the tables of a results file and exit")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    if args.table is not None:
+        payload = json.loads(args.table.read_text())
+        print_tables(payload["rows"], payload.get("sweep", []))
+        return 0
     if not torch.cuda.is_available():
         raise SystemExit("bench.msa_prefill needs a CUDA GPU")
     started = time.monotonic()
@@ -305,7 +324,7 @@ def main() -> int:
         except Exception:
             logger.error("sweep failed, using defaults:\n%s", traceback.format_exc())
         del layer
-    extra["index_tuning"], extra["attention_tuning"] = repr(index_tuning), repr(attn_tuning)
+    extra["index_tuning"], extra["attention_tuning"] = describe(index_tuning), describe(attn_tuning)
     dense_reference = None
     for context in contexts:
         if time.monotonic() - started > args.budget_s:
@@ -327,11 +346,20 @@ def main() -> int:
         logger.info("%s", row)
         write_results("msa_prefill", rows, extra, out_dir=args.out)
     write_results("msa_prefill", rows, extra, out_dir=args.out)
-    columns = ["context", "indexer_ms", "csr_ms", "block_major_ms", "query_major_ms", "msa_total_ms", "dense_ms",
-               "dense_ms_extrapolated", "speedup_vs_dense", "block_vs_query_speedup", "block_major_tflops",
-               "indexer_tflops"]  # fmt: skip
-    sys.stdout.write(markdown_table(rows, columns) + "\n")  # the table last: the GPU run's reply shows the tail
+    print_tables(rows, extra.get("sweep", []))
     return 0
+
+
+COLUMNS = ["context", "indexer_ms", "csr_ms", "block_major_ms", "query_major_ms", "msa_total_ms", "dense_ms",
+           "dense_ms_extrapolated", "speedup_vs_dense", "block_vs_query_speedup", "block_major_tflops",
+           "indexer_tflops"]  # fmt: skip
+
+
+def print_tables(rows: list[dict[str, Any]], sweep_rows: list[dict[str, Any]]) -> None:
+    """The sweep, then the results table last: the GPU run's reply shows the tail."""
+    tables = [markdown_table(sweep_rows, ["kernel", "config", "ms"])] if sweep_rows else []
+    tables.append(markdown_table(rows, COLUMNS))
+    sys.stdout.write("\n\n".join(tables) + "\n")
 
 
 if __name__ == "__main__":
