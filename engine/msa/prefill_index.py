@@ -197,11 +197,11 @@ def _check_inputs(
 
 
 def default_key_splits(num_tiles: int, max_blocks: int, device: torch.device) -> int:
-    """Split the key range only when the query tiles alone cannot fill the GPU (short chunk, long context)."""
-    target_programs = 2 * multiprocessors(device)
-    if num_tiles >= target_programs or max_blocks < 128:
-        return 1
-    return max(1, min(math.ceil(target_programs / max(num_tiles, 1)), max_blocks // 64, 32))
+    """Split the key range only when the query tiles alone cannot fill the GPU (short chunk, long
+    context): as many splits as keep the programs within one wave of two per SM (the default
+    config's occupancy), each scanning at least 64 blocks."""
+    slots = 2 * multiprocessors(device)
+    return max(1, min(slots // max(num_tiles, 1), max_blocks // 64, 32))
 
 
 def prefill_index_topk(
