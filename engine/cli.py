@@ -74,6 +74,12 @@ def add_arguments(opts: OptionGroup) -> None:
         help="largest gRPC message accepted, in MiB (inline image/video tensors must fit)",
     )
     opts.add("--seed", type=options.non_negative_int, default=0, help="seed of unseeded sampling")
+    opts.add(
+        "--cpu-threads",
+        type=options.positive_int,
+        default=None,
+        help="torch intra-op threads (default: torch's choice; 1 is fastest for the tiny model on a busy host)",
+    )
     opts.flag("--disable-prefix-caching", help="never share KV blocks between requests")
     opts.flag("--enforce-eager", help="no CUDA graphs for decode steps")
 
@@ -106,6 +112,7 @@ def run(args: argparse.Namespace) -> int:
             max_queue=args.max_queue,
             enable_prefix_caching=not args.disable_prefix_caching,
             cuda_graphs=not args.enforce_eager,
+            cpu_threads=args.cpu_threads,
             seed=args.seed,
         ),
         grpc=GrpcSettings(host=args.host, port=args.port, max_message_bytes=args.max_message_mb * 2**20),

@@ -232,5 +232,5 @@ def _model_info(
         supports_vision=True,
         dtype=str(dtype).removeprefix("torch."),
         device=device.type,
-        num_kv_blocks=num_blocks,
+        num_kv_blocks=num_blocks - 1,  # usable ones: the null block is never handed out
     )

@@ -58,4 +58,4 @@ class ModelInfo:
     supports_vision: bool
     dtype: str
     device: str
-    num_kv_blocks: int
+    num_kv_blocks: int  # usable blocks (the reserved null block excluded)

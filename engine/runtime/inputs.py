@@ -48,42 +48,50 @@ class StepInputs:
 
 
 def build_host_inputs(out: SchedulerOutput, block_size: int) -> HostInputs:
-    num_requests = len(out.requests)
-    query_lens = np.fromiter((s.num_new_tokens for s in out.requests), dtype=np.int64, count=num_requests)
-    starts = np.fromiter((s.start for s in out.requests), dtype=np.int64, count=num_requests)
+    scheduled = out.requests
+    num_requests = len(scheduled)
+    query_lens = np.fromiter((s.num_new_tokens for s in scheduled), dtype=np.int64, count=num_requests)
+    starts = np.fromiter((s.start for s in scheduled), dtype=np.int64, count=num_requests)
     query_start_loc = np.zeros(num_requests + 1, dtype=np.int32)
     np.cumsum(query_lens, out=query_start_loc[1:])
     seq_lens = (starts + query_lens).astype(np.int32)
     num_tokens = int(query_start_loc[-1])
 
-    input_ids = np.empty(num_tokens, dtype=np.int64)
-    positions = np.empty(num_tokens, dtype=np.int64)
-    max_pages = int(-(-seq_lens.max() // block_size)) if num_requests else 0
-    page_table = np.zeros((num_requests, max_pages), dtype=np.int32)
-    logits_rows, sampling_requests = [], []
-    mm_rows: list[np.ndarray] = []
-    mm_slices: list[tuple[str, torch.Tensor]] = []
-    for r, scheduled in enumerate(out.requests):
-        row, start, end = int(query_start_loc[r]), scheduled.start, scheduled.start + scheduled.num_new_tokens
-        tokens = scheduled.request.token_ids
-        input_ids[row : row + scheduled.num_new_tokens] = tokens[start:end]
-        positions[row : row + scheduled.num_new_tokens] = np.arange(start, end)
-        pages = -(-end // block_size)
-        page_table[r, :pages] = scheduled.block_ids[:pages]
-        if scheduled.samples:
-            logits_rows.append(row + scheduled.num_new_tokens - 1)
-            sampling_requests.append(scheduled.request)
-        for item in scheduled.request.mm_inputs:
-            if item.last_embed < start or item.first_embed >= end:
-                continue
-            mask = (item.embed_positions >= start) & (item.embed_positions < end)
-            mm_rows.append(item.embed_positions[mask].numpy() - start + row)
-            mm_slices.append((item.content_hash, mask))
+    if num_tokens == num_requests:  # plain decode: one token per request, no per-request slicing
+        input_ids = np.fromiter((s.request.token_ids[s.start] for s in scheduled), dtype=np.int64, count=num_requests)
+        positions = starts
+    else:
+        input_ids = np.empty(num_tokens, dtype=np.int64)
+        for r, item in enumerate(scheduled):
+            row = int(query_start_loc[r])
+            input_ids[row : row + item.num_new_tokens] = item.request.token_ids[
+                item.start : item.start + item.num_new_tokens
+            ]
+        row_starts = np.repeat(query_start_loc[:-1].astype(np.int64), query_lens)
+        positions = np.repeat(starts, query_lens) + np.arange(num_tokens) - row_starts
 
+    pages = -(-seq_lens // block_size)
+    page_table = np.zeros((num_requests, int(pages.max()) if num_requests else 0), dtype=np.int32)
+    for r, item in enumerate(scheduled):
+        page_table[r, : pages[r]] = item.block_ids[: pages[r]]
     request_of_token = np.repeat(np.arange(num_requests), query_lens)
     slot_mapping = (
         page_table[request_of_token, positions // block_size].astype(np.int64) * block_size + positions % block_size
     )
+
+    sampling = [r for r, item in enumerate(scheduled) if item.samples]
+    mm_rows: list[np.ndarray] = []
+    mm_slices: list[tuple[str, torch.Tensor]] = []
+    for r, item in enumerate(scheduled):
+        if not item.request.mm_inputs:
+            continue
+        start, end, row = item.start, item.start + item.num_new_tokens, int(query_start_loc[r])
+        for mm in item.request.mm_inputs:
+            if mm.last_embed < start or mm.first_embed >= end:
+                continue
+            mask = (mm.embed_positions >= start) & (mm.embed_positions < end)
+            mm_rows.append(mm.embed_positions[mask].numpy() - start + row)
+            mm_slices.append((mm.content_hash, mask))
     return HostInputs(
         input_ids=input_ids,
         positions=positions,
@@ -91,8 +99,8 @@ def build_host_inputs(out: SchedulerOutput, block_size: int) -> HostInputs:
         seq_lens=seq_lens,
         slot_mapping=slot_mapping,
         page_table=page_table,
-        logits_rows=np.asarray(logits_rows, dtype=np.int64),
-        sampling_requests=sampling_requests,
+        logits_rows=query_start_loc[1:][sampling].astype(np.int64) - 1,
+        sampling_requests=[scheduled[r].request for r in sampling],
         mm_rows=np.concatenate(mm_rows) if mm_rows else np.empty(0, dtype=np.int64),
         mm_slices=mm_slices,
     )

@@ -10,11 +10,16 @@ ever read a page whose content is still being computed, whatever the attention b
 import logging
 from collections.abc import Sequence
 
+import numpy as np
+
 from m3stack.engine.runtime.block_pool import BlockPool, KVBlock
 from m3stack.engine.runtime.prefix_cache import extend_block_hashes
 from m3stack.engine.runtime.request import Request
 
 logger = logging.getLogger(__name__)
+
+
+_NO_BLOCKS = np.zeros(0, dtype=np.int32)
 
 
 def blocks_for(num_tokens: int, block_size: int) -> int:
@@ -27,7 +32,8 @@ class KVCacheManager:
         self.enable_prefix_caching = enable_prefix_caching
         self.pool = BlockPool(num_blocks, enable_caching=enable_prefix_caching)
         self._blocks: dict[str, list[KVBlock]] = {}
-        self._block_ids: dict[str, list[int]] = {}  # the same page tables as plain ids, for the runner
+        # The same page tables as int32 arrays (capacity doubles as they grow), for the runner's page table.
+        self._block_ids: dict[str, np.ndarray] = {}
         self._num_published: dict[str, int] = {}
         # Prompt tokens looked up in / found in the prefix cache at first admission (Prometheus counters).
         self.prefix_query_tokens = 0
@@ -47,9 +53,9 @@ class KVCacheManager:
     def capacity_tokens(self) -> int:
         return self.pool.num_usable_blocks * self.block_size
 
-    def block_ids(self, request_id: str) -> list[int]:
-        """The request's page table (a live list, appended to as the request grows; do not modify)."""
-        return self._block_ids.get(request_id, [])
+    def block_ids(self, request_id: str) -> np.ndarray:
+        """The request's page table as block ids (a view valid until its next allocation; do not modify)."""
+        return self._block_ids.get(request_id, _NO_BLOCKS)[: self.num_held_blocks(request_id)]
 
     def num_held_blocks(self, request_id: str) -> int:
         return len(self._blocks.get(request_id, ()))
@@ -91,23 +97,34 @@ class KVCacheManager:
         Returns False and changes nothing when fewer than the needed blocks plus ``reserve`` are free.
         The caller advances ``request.num_computed_tokens`` past the prefix it accepted.
         """
+        held = self._blocks.setdefault(request.request_id, [])
+        total_tokens = request.num_computed_tokens + len(cached_prefix) * self.block_size + num_new_tokens
+        if not cached_prefix and total_tokens <= len(held) * self.block_size:
+            return True  # the common decode step: the last block still has room
         if self.num_new_blocks(request, num_new_tokens, cached_prefix) + reserve > self.pool.num_free_blocks:
             return False
-        held = self._blocks.setdefault(request.request_id, [])
-        ids = self._block_ids.setdefault(request.request_id, [])
         self._num_published.setdefault(request.request_id, 0)
+        before = len(held)
         if cached_prefix:
             if held:
                 raise RuntimeError(f"{request}: a cached prefix can only start an empty page table")
             self.pool.touch(cached_prefix)
             held.extend(cached_prefix)
             self._num_published[request.request_id] = len(cached_prefix)
-        total_tokens = request.num_computed_tokens + len(cached_prefix) * self.block_size + num_new_tokens
         missing = blocks_for(total_tokens, self.block_size) - len(held)
         if missing > 0:
             held.extend(self.pool.allocate(missing))
-        ids.extend(block.block_id for block in held[len(ids) :])
+        self._append_ids(request.request_id, held, before)
         return True
+
+    def _append_ids(self, request_id: str, held: list[KVBlock], before: int) -> None:
+        """Mirror ``held[before:]`` (just appended) into the request's id array, growing it when full."""
+        ids = self._block_ids.get(request_id, _NO_BLOCKS)
+        if len(ids) < len(held):
+            grown = np.zeros(max(2 * len(ids), len(held), 8), dtype=np.int32)
+            grown[:before] = ids[:before]
+            ids = self._block_ids[request_id] = grown
+        ids[before : len(held)] = [block.block_id for block in held[before:]]
 
     def publish_computed_blocks(self, request: Request) -> None:
         """Enter the request's full, computed blocks into the prefix cache."""
@@ -147,3 +164,6 @@ class KVCacheManager:
 
     def check_invariants(self) -> None:
         self.pool.check_invariants(self.live_references())
+        for request_id, held in self._blocks.items():
+            ids = self.block_ids(request_id).tolist()
+            assert ids == [b.block_id for b in held], f"{request_id}: page-table ids {ids} disagree with its blocks"

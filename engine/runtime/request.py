@@ -108,6 +108,8 @@ class SamplingParams:
             )
         if not 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS:
             raise InvalidRequestError(f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {self.top_logprobs}")
+        if self.seed is not None and not 0 <= self.seed < 2**64:
+            raise InvalidRequestError(f"seed must be in [0, 2**64), got {self.seed}")
         bad_stops = sorted(t for t in self.stop_token_ids if not 0 <= t < vocab_size)
         if bad_stops:
             raise InvalidRequestError(f"stop_token_ids {bad_stops[:8]} are outside the vocabulary [0, {vocab_size})")

@@ -20,11 +20,14 @@ from m3stack.engine.runtime.request import Request, SampledToken
 
 @dataclass
 class SamplingBatch:
-    """Per-row sampling settings as device tensors (built once per step from the requests)."""
+    """Per-row sampling settings as device tensors (built once per step from the requests).
 
-    greedy: torch.Tensor  # [n] bool
+    An all-greedy batch carries no per-row tensors: argmax needs none.
+    """
+
     all_greedy: bool
-    temperature: torch.Tensor  # [n] float32, 1 on greedy rows
+    greedy: torch.Tensor | None  # [n] bool
+    temperature: torch.Tensor | None  # [n] float32, 1 on greedy rows
     top_k: torch.Tensor | None  # [n] int64, vocab size where off; None when no row uses it
     top_p: torch.Tensor | None  # [n] float32
     min_p: torch.Tensor | None  # [n] float32
@@ -35,45 +38,49 @@ class SamplingBatch:
     wants_logprobs: list[bool]
 
 
+def _tensor(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
+
+
 def build_sampling_batch(requests: Sequence[Request], vocab_size: int, device: torch.device) -> SamplingBatch:
-    greedy, temperature, top_k, top_p, min_p = [], [], [], [], []
-    generators: dict[int, torch.Generator] = {}
+    params = [request.sampling for request in requests]
     banned_rows: list[int] = []
     banned_tokens: list[int] = []
     for row, request in enumerate(requests):
-        params = request.sampling
-        greedy.append(params.greedy)
-        temperature.append(1.0 if params.greedy else params.temperature)
-        top_k.append(params.top_k if 0 < params.top_k < vocab_size else vocab_size)
-        top_p.append(params.top_p)
-        min_p.append(params.min_p)
-        if params.seed is not None and not params.greedy:
-            if request.generator is None:
-                request.generator = torch.Generator(device=device).manual_seed(params.seed)
-            generators[row] = request.generator
-        if request.num_output_tokens < params.min_new_tokens:
-            stops = sorted(request.eos_token_ids | params.stop_token_ids)
+        if request.num_output_tokens < params[row].min_new_tokens:
+            stops = sorted(request.eos_token_ids | params[row].stop_token_ids)
             banned_rows += [row] * len(stops)
             banned_tokens += stops
+    common = {
+        "banned_rows": _tensor(banned_rows, torch.int64, device) if banned_rows else None,
+        "banned_tokens": _tensor(banned_tokens, torch.int64, device) if banned_tokens else None,
+        "num_top_logprobs": [p.top_logprobs for p in params],
+        "wants_logprobs": [p.wants_logprobs for p in params],
+    }
+    if all(p.greedy for p in params):
+        return SamplingBatch(True, None, None, None, None, None, {}, **common)
 
-    def tensor(values: list, dtype: torch.dtype) -> torch.Tensor:
-        return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
-
-    needs_top_k = any(k < vocab_size for k, g in zip(top_k, greedy, strict=True) if not g)
-    needs_top_p = any(p < 1.0 for p, g in zip(top_p, greedy, strict=True) if not g)
-    needs_min_p = any(p > 0.0 for p, g in zip(min_p, greedy, strict=True) if not g)
+    generators: dict[int, torch.Generator] = {}
+    for row, request in enumerate(requests):
+        if params[row].seed is not None and not params[row].greedy:
+            if request.generator is None:
+                request.generator = torch.Generator(device=device).manual_seed(params[row].seed)
+            generators[row] = request.generator
+    random_rows = [p for p in params if not p.greedy]
+    top_k = [p.top_k if 0 < p.top_k < vocab_size else vocab_size for p in params]
     return SamplingBatch(
-        greedy=tensor(greedy, torch.bool),
-        all_greedy=all(greedy),
-        temperature=tensor(temperature, torch.float32),
-        top_k=tensor(top_k, torch.int64) if needs_top_k else None,
-        top_p=tensor(top_p, torch.float32) if needs_top_p else None,
-        min_p=tensor(min_p, torch.float32) if needs_min_p else None,
+        all_greedy=False,
+        greedy=_tensor([p.greedy for p in params], torch.bool, device),
+        temperature=_tensor([1.0 if p.greedy else p.temperature for p in params], torch.float32, device),
+        top_k=_tensor(top_k, torch.int64, device) if any(0 < p.top_k < vocab_size for p in random_rows) else None,
+        top_p=_tensor([p.top_p for p in params], torch.float32, device)
+        if any(p.top_p < 1.0 for p in random_rows)
+        else None,
+        min_p=_tensor([p.min_p for p in params], torch.float32, device)
+        if any(p.min_p > 0.0 for p in random_rows)
+        else None,
         generators=generators,
-        banned_rows=tensor(banned_rows, torch.int64) if banned_rows else None,
-        banned_tokens=tensor(banned_tokens, torch.int64) if banned_tokens else None,
-        num_top_logprobs=[r.sampling.top_logprobs for r in requests],
-        wants_logprobs=[r.sampling.wants_logprobs for r in requests],
+        **common,
     )
 
 

@@ -19,6 +19,8 @@ import logging
 import time
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from m3stack.engine.runtime.encoder_cache import EncoderCache
 from m3stack.engine.runtime.errors import QueueFullError
 from m3stack.engine.runtime.kv_cache_manager import KVCacheManager, blocks_for
@@ -60,7 +62,7 @@ class ScheduledRequest:
     request: Request
     start: int
     num_new_tokens: int
-    block_ids: list[int]
+    block_ids: np.ndarray  # the request's page table (int32 block ids) at scheduling time
     # The chunk reaches the last known token, so the step samples the request's next token.
     samples: bool = field(init=False)
 
@@ -170,7 +172,7 @@ class Scheduler:
         out.encoder_items = [item for key, item in budget.encode.items() if key in self.encoder_cache]
         for item in out.requests:
             request = item.request
-            if any(mm.content_hash in budget.encode for mm in request.mm_inputs):
+            if budget.encode and any(mm.content_hash in budget.encode for mm in request.mm_inputs):
                 request.transition(RequestStatus.ENCODING)
             elif request.status in (RequestStatus.WAITING, RequestStatus.ENCODING):
                 request.transition(RequestStatus.PREFILLING)
@@ -227,6 +229,8 @@ class Scheduler:
 
     def _fit_encoder(self, request: Request, start: int, num_new: int, budget: _StepBudget) -> int:
         """Shorten the chunk ``[start, start + num_new)`` to what the encoder cache can serve this step."""
+        if not request.mm_inputs:
+            return num_new
         end = start + num_new
         for item in request.mm_inputs:
             if item.last_embed < start:
@@ -273,9 +277,10 @@ class Scheduler:
                 continue
             request.num_computed_tokens = scheduled.start + scheduled.num_new_tokens
             self.kv.publish_computed_blocks(request)
-            for item in request.mm_inputs:
-                if item.last_embed < request.num_computed_tokens:
-                    self.encoder_cache.release(item.content_hash, request.request_id)
+            if request.mm_inputs:
+                for item in request.mm_inputs:
+                    if item.last_embed < request.num_computed_tokens:
+                        self.encoder_cache.release(item.content_hash, request.request_id)
             if not scheduled.samples:
                 request.transition(RequestStatus.PREFILLING)
                 continue

@@ -10,7 +10,7 @@ from m3stack.engine.runtime.config import EngineConfig
 def test_the_context_limit_defaults_to_the_kv_capacity_when_that_is_smaller(tiny_model_dir):
     core = build_engine_core(EngineConfig(model=str(tiny_model_dir), num_kv_blocks=40))
     assert core.info.max_model_len == 40 * 16
-    assert core.scheduler.kv.pool.num_usable_blocks == 40 and core.info.num_kv_blocks == 41
+    assert core.scheduler.kv.pool.num_usable_blocks == 40 and core.info.num_kv_blocks == 40
 
 
 @pytest.mark.parametrize(

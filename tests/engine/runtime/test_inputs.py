@@ -46,7 +46,7 @@ def test_rows_positions_slots_and_pages_match_a_token_by_token_rebuild(new_reque
                         expected_mm_rows.append(row)
                 row += 1
             pages = -(-(scheduled.start + scheduled.num_new_tokens) // BLOCK)
-            assert host.page_table[r, :pages].tolist() == scheduled.block_ids[:pages]
+            assert host.page_table[r, :pages].tolist() == scheduled.block_ids[:pages].tolist()
             assert not host.page_table[r, pages:].any()
         assert host.query_start_loc[-1] == row
         assert host.mm_rows.tolist() == expected_mm_rows

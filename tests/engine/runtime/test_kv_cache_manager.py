@@ -19,7 +19,7 @@ def test_a_published_prefix_is_found_by_a_later_request(new_request):
     _run_prefill(manager, first)
     second = new_request([*range(10), 99, 98, 97])
     hits = manager.find_cached_prefix(second)
-    assert [b.block_id for b in hits] == manager.block_ids(first.request_id)[:2]  # the 2 full blocks
+    assert [b.block_id for b in hits] == manager.block_ids(first.request_id)[:2].tolist()  # the 2 full blocks
     manager.check_invariants()
 
 
@@ -57,8 +57,8 @@ def test_freed_blocks_stay_cached_and_shared_blocks_survive_one_owner(new_reques
     _run_prefill(manager, first)
     second = new_request(list(range(9)))
     _run_prefill(manager, second)  # shares blocks 0 and 1 with the first
-    shared = manager.block_ids(first.request_id)[:2]
-    assert manager.block_ids(second.request_id)[:2] == shared
+    shared = manager.block_ids(first.request_id)[:2].tolist()
+    assert manager.block_ids(second.request_id)[:2].tolist() == shared
     manager.free(first)
     manager.check_invariants()
     assert all(manager.pool.blocks[i].ref_count == 1 for i in shared)
