@@ -51,9 +51,15 @@ ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
         (503, "no engine can take the request now (see Retry-After)"),
     ]
 }
-# With stream=true the completion routes answer server-sent events instead of JSON.
+# With stream=true the completion routes answer server-sent events instead of JSON: each event's data
+# is one chunk as JSON, then the literal [DONE].
+SSE_EVENT_SCHEMA = {
+    "type": "object",
+    "properties": {"data": {"type": "string", "description": "a JSON chunk, or [DONE] at the end"}},
+    "required": ["data"],
+}
 STREAMING_RESPONSE: dict[int | str, dict[str, Any]] = {
-    200: {"content": {"text/event-stream": {"schema": {"type": "string"}}}, "description": "JSON, or SSE when streamed"}
+    200: {"content": {"text/event-stream": {"schema": SSE_EVENT_SCHEMA}}, "description": "JSON, or SSE when streamed"}
 }
 API_PATHS = ("/v1/chat/completions", "/v1/completions", "/v1/models")
 PROMETHEUS_CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"

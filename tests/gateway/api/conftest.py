@@ -61,7 +61,7 @@ def scrape(url: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
     return samples
 
 
-def wait_until(condition, timeout_s: float, what: str, interval_s: float = 0.1):
+def poll_until(condition, timeout_s: float, what: str, interval_s: float = 0.1):
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         value = condition()
@@ -152,6 +152,12 @@ class Stack:
 
     def stop(self) -> None:
         self.processes.stop_all(timeout_s=20)
+
+
+@pytest.fixture(scope="session")
+def wait_until():
+    """``wait_until(condition, timeout_s, what)``: poll until ``condition()`` is truthy, else fail."""
+    return poll_until
 
 
 @pytest.fixture(scope="session")

@@ -6,8 +6,6 @@ import threading
 import httpx
 import pytest
 
-from .conftest import wait_until
-
 pytestmark = pytest.mark.xdist_group("gateway_api")
 
 ABORTED = ("m3stack_engine_requests_finished_total", (("reason", "abort"),))
@@ -23,7 +21,7 @@ def gateway_inflight(gateway, engine) -> float:
     return gateway.metrics()[("m3stack_gateway_engine_inflight_requests", (("engine", engine.address),))]
 
 
-def test_closing_a_stream_aborts_the_engine_request(gateway, engine, model_name):
+def test_closing_a_stream_aborts_the_engine_request(gateway, engine, model_name, wait_until):
     aborted_before = engine.metrics().get(ABORTED, 0.0)
     headers = {"Content-Type": "application/json"}
     with (
@@ -43,7 +41,7 @@ def test_closing_a_stream_aborts_the_engine_request(gateway, engine, model_name)
     assert reasons[("m3stack_gateway_engine_aborts_total", (("reason", "client_disconnected"),))] >= 1
 
 
-def test_leaving_a_non_streamed_request_aborts_it_too(gateway, engine, model_name):
+def test_leaving_a_non_streamed_request_aborts_it_too(gateway, engine, model_name, wait_until):
     aborted_before = engine.metrics().get(ABORTED, 0.0)
     started = threading.Event()
 

@@ -5,8 +5,6 @@ import signal
 
 import pytest
 
-from .conftest import wait_until
-
 pytestmark = pytest.mark.xdist_group("gateway_api")
 
 
@@ -19,7 +17,7 @@ def test_dns_discovery_finds_the_engine(stack, engine, model_name):
     assert ("m3stack_gateway_engine_ready", (("engine", engine.address),)) in gateway.metrics()
 
 
-def test_sigterm_lets_open_streams_finish(stack, engine, model_name):
+def test_sigterm_lets_open_streams_finish(stack, engine, model_name, wait_until):
     gateway = stack.gateway([engine], "--media-workers", "0", "--drain-timeout", "60")
     assert "m3stack gateway ready on" in gateway.child.log_path.read_text()
     stream = gateway.client().completions.create(

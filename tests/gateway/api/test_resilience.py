@@ -6,8 +6,6 @@ import threading
 import openai
 import pytest
 
-from .conftest import wait_until
-
 pytestmark = pytest.mark.xdist_group("gateway_api")
 
 PROMPT = "Tell me a long story about engines and gateways."
@@ -54,7 +52,7 @@ class StreamRunner(threading.Thread):
             self.error = exc
 
 
-def test_traffic_spreads_then_survives_a_killed_engine(pair, model_name):
+def test_traffic_spreads_then_survives_a_killed_engine(pair, model_name, wait_until):
     first, second, gateway = pair
     client = gateway.client(timeout_s=120)
     runners = [StreamRunner(client, model_name, max_tokens=200) for _ in range(8)]
