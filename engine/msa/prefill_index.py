@@ -14,8 +14,8 @@ the ranked blocks best first, then the local blocks ascending (the query's own b
 Memory: one program owns ``tile_tokens`` tokens x all index heads (packed into the MMA M dimension)
 and streams its request's key pages once, keeping each row's running top-K in registers.  No
 score tensor is ever written: peak extra memory is the output alone, plus, when the key range is
-split across programs (few query tiles, long context), ``splits x Hidx x T x (topk - local_blocks)
-x 8`` bytes of candidates.
+split across programs (few query tiles, long context: T below 2 x SMs x tile_tokens), ``splits x
+Hidx x T x next_pow2(topk) x 8`` bytes of candidates.
 """
 
 import dataclasses
@@ -229,7 +229,7 @@ def prefill_index_topk(
     # TILE * HP rows per program: 128 for M3 (32 tokens x 4 heads), at least 16 for tl.dot.
     tile_tokens = max(tuning.tile_tokens or 128 // heads_padded, triton.cdiv(16, heads_padded))
     tiles = token_tiles(metadata, tile_tokens, device)
-    max_blocks = tiles.max_last_position // block_size + 1
+    max_blocks = int((metadata.seq_lens_cpu.max() + block_size - 1) // block_size)  # bounds every row's blocks
     num_splits = tuning.key_splits or default_key_splits(tiles.count, max_blocks, device)
     blocks_per_split = math.ceil(max_blocks / num_splits)
     slots_padded = triton.next_power_of_2(topk)

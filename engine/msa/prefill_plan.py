@@ -32,7 +32,6 @@ class TokenTiles:
 
     table: torch.Tensor
     count: int
-    max_last_position: int  # highest position of any tile's last token (-1 when empty)
 
 
 def token_tiles(metadata: AttentionMetadata, tile_tokens: int, device: torch.device) -> TokenTiles:
@@ -41,7 +40,7 @@ def token_tiles(metadata: AttentionMetadata, tile_tokens: int, device: torch.dev
     tiles_per_request = (query_lens + tile_tokens - 1) // tile_tokens
     count = int(tiles_per_request.sum())
     if count == 0:
-        return TokenTiles(torch.empty((3, 0), dtype=torch.int32, device=device), 0, -1)
+        return TokenTiles(torch.empty((3, 0), dtype=torch.int32, device=device), 0)
     request = torch.repeat_interleave(torch.arange(len(query_lens)), tiles_per_request)
     first_tile = torch.cumsum(tiles_per_request, 0) - tiles_per_request
     index_in_request = torch.arange(count) - first_tile[request]
@@ -53,7 +52,7 @@ def token_tiles(metadata: AttentionMetadata, tile_tokens: int, device: torch.dev
     table = torch.stack([request, first_row, end_row])[:, order].to(torch.int32)
     if device.type == "cuda":
         table = table.pin_memory()  # so the copy below is truly asynchronous
-    return TokenTiles(table.to(device, non_blocking=True), count, int(last_position.max()))
+    return TokenTiles(table.to(device, non_blocking=True), count)
 
 
 def token_requests(metadata: AttentionMetadata) -> torch.Tensor:
