@@ -110,6 +110,12 @@ class ControlPlane:
         """Starts a long-running command (an operator, a port server) against this cluster."""
         return subprocess.Popen(list(args), env=self.env(kubeconfig), **kwargs)  # type: ignore[call-overload]
 
+    def get_json(self, path: str) -> dict:
+        """GET an API path (e.g. "/openapi/v3") as the admin; decoded JSON."""
+        tls = _admin_tls(self.run_dir / "pki")
+        with urllib.request.urlopen(f"{self.server}{path}", timeout=30, context=tls) as reply:
+            return json.load(reply)
+
     def kubectl(self, *args: str, input: str | None = None, kubeconfig: Path | str | None = None) -> str:
         """Runs kubectl with this cluster's kubeconfig; returns stdout, raises with stderr on failure."""
         result = self.run([str(self.binary("kubectl")), *args], input=input, kubeconfig=kubeconfig, check=False)
