@@ -13,6 +13,7 @@ import torch
 
 from m3stack.engine.msa import reference
 from m3stack.engine.msa.prefill_index import IndexTuning, prefill_index_topk
+from m3stack.engine.msa.prefill_plan import token_tiles
 from tests.engine.msa.prefill_support import PagedBatch, assert_selection_matches, paged_batch
 
 BLOCK = 16
@@ -100,3 +101,17 @@ def test_bad_inputs_are_rejected() -> None:
         prefill_index_topk(index_q.half(), cache, metadata, 4, 1)
     with pytest.raises(ValueError, match="block_size"):
         prefill_index_topk(index_q, cache.view(-1, BLOCK // 2, INDEX_DIM), metadata, 4, 1)
+
+
+def test_token_tiles_cover_each_token_once_longest_first() -> None:
+    paged, _ = _batch(torch.float32, seed=2)
+    metadata = paged.metadata
+    tiles = token_tiles(metadata, 8, torch.device("cpu"))
+    request, first, end = tiles.table.tolist()
+    covered = [row for lo, hi in zip(first, end, strict=True) for row in range(lo, hi)]
+    assert sorted(covered) == list(range(metadata.num_tokens))
+    for r, lo, hi in zip(request, first, end, strict=True):
+        start, stop = paged.token_ranges[r]
+        assert start <= lo < hi <= stop and hi - lo <= 8
+    last_positions = [int(metadata.positions[hi - 1]) for hi in end]
+    assert last_positions == sorted(last_positions, reverse=True)
