@@ -14,10 +14,12 @@ them in turn, so the timed data never sits in the 50 MiB L2.  Rows (``bench/resu
 * ``attn_us``: sparse attention over the selected pages (FlashInfer flattened decode);
   ``attn_triton_us``: the Triton fallback;
 * ``total_us``: ``GpuAttentionBackend.sparse`` (store + index + attention: the whole MSA layer);
-* ``dense_us``: ``GpuAttentionBackend.dense`` (store + FlashInfer paged decode); ``speedup``.
+* ``dense_us``: ``GpuAttentionBackend.dense`` (store + FlashInfer paged decode); ``speedup``;
+* ``index_fp8_us``, ``total_fp8_us``, ``speedup_fp8``: the same over an fp8 (e4m3) k-index.
 
-A sweep of scan configurations (pages per step, warps, stages, splits) at 1M and 128K context goes
-to ``scan_sweep``.  Every case catches its own failure; the JSON is always written.
+Then, with the time left, a sweep of scan configurations (pages per step, warps, stages, splits;
+bf16 and fp8 keys) at 1M and 128K context goes to ``scan_sweep``.  Every case catches its own
+failure; the JSON is rewritten after each case.
 """
 
 import argparse
@@ -42,6 +44,7 @@ from m3stack.engine.msa import reference
 from m3stack.engine.msa.decode_attention import FlashInferSparseDecode, flashinfer_available, sparse_decode_attention
 from m3stack.engine.msa.decode_index import ScanConfig, decode_index_topk, merge_selection, scan_index_pages
 from m3stack.engine.msa.decode_plan import SparseDecodePlan, SparseDecodeShape, plan_sparse_decode
+from m3stack.engine.msa.store import store_kv
 
 logger = logging.getLogger("bench.msa_decode")
 
@@ -51,12 +54,14 @@ CONTEXTS = [8192, 32768, 131072, 524288, 1048576]
 BATCHES = [1, 8, 32]
 ROTATION_BYTES = 256 * 2**20
 MAX_LAYERS = 64
-TIME_BUDGET_S = 330  # bench/gpu_suite.py gives this stage 420 s
+TIME_BUDGET_S = 360  # bench/gpu_suite.py gives this stage 420 s
+ROWS_BUDGET_S = 240  # the main rows first; the sweeps get the rest
 SWEEP_CASES = {(1048576, 1), (131072, 8)}
 SWEEP_CONFIGS = [ScanConfig(p, w, s) for p in (1, 2) for w in (4, 8) for s in (2, 3, 4)]
 SWEEP_SPLITS = [64, 132, 264, 396, 512]
+SWEEP_FP8_CONFIGS = [ScanConfig(1, 4, 3), ScanConfig(1, 8, 3), ScanConfig(2, 8, 3), ScanConfig(2, 4, 2)]
 COLUMNS = ["context", "batch", "index_us", "scan_us", "merge_us", "attn_us", "attn_triton_us", "total_us",
-           "dense_us", "speedup", "index_scan_tbps"]  # fmt: skip
+           "dense_us", "speedup", "index_scan_tbps", "index_fp8_us", "total_fp8_us", "speedup_fp8"]  # fmt: skip
 
 
 def time_layers(call: Callable[[int], Any], layers: int, replays: int = 15) -> tuple[float, str]:
@@ -222,28 +227,50 @@ def measure(case: Case, use_flashinfer: bool) -> dict[str, Any]:
     timed("total_us", lambda layer: backend.sparse(layer, *args))
     timed("dense_us", lambda layer: dense_backend.dense(layer, *args[:3]))
     row["speedup"] = row["dense_us"] / row["total_us"]
+
+    # The same layer over an fp8 (e4m3) k-index: half the scan's bytes.
+    fp8_caches = [LayerKVCache(c.key, c.value, c.index_key.to(torch.float8_e4m3fn)) for c in caches]
+    timed("index_fp8_us", lambda layer: decode_index_topk(case.index_q, fp8_caches[layer].index_key, metadata, plan))
+
+    def fp8_layer(layer: int) -> torch.Tensor:
+        cache = fp8_caches[layer]
+        store_kv(cache, metadata.slot_mapping, case.k_new, case.k_new, case.index_k_new)
+        decode_index_topk(case.index_q, cache.index_key, metadata, plan)
+        return attention(layer, fi_sparse)
+
+    timed("total_fp8_us", fp8_layer)
+    row["index_fp8_tbps"] = case.index_bytes / 2 / (row["index_fp8_us"] * 1e-6) / 1e12
+    row["speedup_fp8"] = row["dense_us"] / row["total_fp8_us"]
     if case.context <= 131072:
         selected = decode_index_topk(case.index_q, caches[-1].index_key, metadata, plan)
         row.update(check_request0(case, selected, attention(layers - 1, fi_sparse)))
     return row
 
 
-def sweep(case: Case) -> list[dict[str, Any]]:
-    """Index time per scan configuration and per split count at one case (default config elsewhere)."""
+def sweep(case: Case, deadline: float) -> list[dict[str, Any]]:
+    """Index time per scan configuration and split count at one case, bf16 and fp8 k-index."""
     device = case.q.device
     results = []
-    variants = [(config, None) for config in SWEEP_CONFIGS]
-    variants += [(ScanConfig(), splits) for splits in SWEEP_SPLITS if case.batch * splits <= 4096]
-    for config, splits in variants:
-        entry: dict[str, Any] = {"context": case.context, "batch": case.batch, "pages_per_iteration":
-                                 config.pages_per_iteration, "num_warps": config.num_warps,
-                                 "num_stages": config.num_stages, "scan_splits": splits}  # fmt: skip
+    variants = [(torch.bfloat16, config, None) for config in SWEEP_CONFIGS]
+    variants += [(torch.bfloat16, ScanConfig(), splits) for splits in SWEEP_SPLITS if case.batch * splits <= 4096]
+    variants += [(torch.float8_e4m3fn, config, None) for config in SWEEP_FP8_CONFIGS]
+    index_caches = {torch.bfloat16: [cache.index_key for cache in case.caches]}
+    for dtype, config, splits in variants:
+        entry: dict[str, Any] = {"context": case.context, "batch": case.batch, "index_dtype": str(dtype)[6:],
+                                 **config.__dict__, "scan_splits": splits}  # fmt: skip
+        if time.monotonic() > deadline:
+            entry["skipped"] = "time budget"
+            results.append(entry)
+            continue
         try:
+            if dtype not in index_caches:
+                index_caches[dtype] = [keys.to(dtype) for keys in index_caches[torch.bfloat16]]
             plan: SparseDecodePlan = plan_sparse_decode(case.metadata, M3, device, scan_splits=splits)
             entry["scan_splits"] = plan.scan_splits
-            us, _ = time_layers(lambda layer, p=plan, c=config: decode_index_topk(
-                case.index_q, case.caches[layer].index_key, case.metadata, p, c), case.layers)  # fmt: skip
-            entry.update(index_us=us, index_scan_tbps=case.index_bytes / (us * 1e-6) / 1e12)
+            keys = index_caches[dtype]
+            us, _ = time_layers(lambda layer, p=plan, c=config, k=keys: decode_index_topk(
+                case.index_q, k[layer], case.metadata, p, c), case.layers)  # fmt: skip
+            entry.update(index_us=us, index_scan_tbps=case.index_bytes * dtype.itemsize / 2 / (us * 1e-6) / 1e12)
         except Exception as exc:
             entry["error"] = f"{type(exc).__name__}: {exc}"[:300]
         results.append(entry)
@@ -281,17 +308,12 @@ def main() -> int:
     generator = torch.Generator(device=device).manual_seed(0)
     for context, batch in cases:
         row: dict[str, Any] = {"context": context, "batch": batch}
-        if time.monotonic() - started > TIME_BUDGET_S:
+        if time.monotonic() - started > ROWS_BUDGET_S:
             rows.append({**row, "skipped": "time budget"})
             continue
         try:
             case = build_case(context, batch, device, generator)
-            if isinstance(case, str):
-                row["skipped"] = case
-            else:
-                row = measure(case, use_flashinfer)
-                if not args.no_sweep and (context, batch) in SWEEP_CASES:
-                    sweeps.extend(sweep(case))
+            row = {**row, "skipped": case} if isinstance(case, str) else measure(case, use_flashinfer)
         except Exception as exc:
             logger.exception("case context=%d batch=%d failed", context, batch)
             row["error"] = f"{type(exc).__name__}: {exc}"[:500]
@@ -300,6 +322,19 @@ def main() -> int:
             torch.cuda.empty_cache()
         rows.append(row)
         logger.info("%s", row)
+        write_results("msa_decode", sorted(rows, key=lambda r: (r["context"], r["batch"])), extra, args.out)
+    # Then the scan sweeps, with whatever time is left.
+    for context, batch in [] if args.no_sweep else sorted(SWEEP_CASES, reverse=True):
+        try:
+            case = build_case(context, batch, device, generator)
+            if not isinstance(case, str):
+                sweeps.extend(sweep(case, started + TIME_BUDGET_S))
+        except Exception as exc:
+            logger.exception("sweep context=%d batch=%d failed", context, batch)
+            sweeps.append({"context": context, "batch": batch, "error": f"{type(exc).__name__}: {exc}"[:500]})
+        finally:
+            case = None
+            torch.cuda.empty_cache()
         write_results("msa_decode", sorted(rows, key=lambda r: (r["context"], r["batch"])), extra, args.out)
     rows.sort(key=lambda r: (r["context"], r["batch"]))
     write_results("msa_decode", rows, extra, args.out)
@@ -310,10 +345,14 @@ def main() -> int:
 def print_tables(rows: list[dict[str, Any]], sweeps: list[dict[str, Any]]) -> None:
     """The results table (and the sweep, fastest first per case), last: the GPU run's reply shows the tail."""
     tables = [markdown_table(rows, COLUMNS)]
-    best = sorted((s for s in sweeps if "index_us" in s), key=lambda s: (s["context"], s["batch"], s["index_us"]))
+
+    def fastest_first(entry: dict[str, Any]) -> tuple:
+        return entry["context"], entry["batch"], entry["index_dtype"], entry["index_us"]
+
+    best = sorted((s for s in sweeps if "index_us" in s), key=fastest_first)
     if best:
-        tables.append(markdown_table(best, ["context", "batch", "pages_per_iteration", "num_warps", "num_stages",
-                                            "scan_splits", "index_us", "index_scan_tbps"]))  # fmt: skip
+        tables.append(markdown_table(best, ["context", "batch", "index_dtype", "pages_per_iteration", "num_warps",
+                                            "num_stages", "scan_splits", "index_us", "index_scan_tbps"]))  # fmt: skip
     sys.stdout.write("\n\n".join(tables) + "\n")
 
 

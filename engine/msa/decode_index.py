@@ -117,7 +117,8 @@ def _scan_kernel(
             mask=(first + page_of_row < block_hi)[:, None],
             other=0.0,
         )  # [PAGES * B, D]
-        scores = tl.dot(keys, q, input_precision=INPUT_PRECISION)  # [PAGES * B, N] fp32
+        # An fp8 k-index (half the bytes of the scan) is widened to the queries' type in registers.
+        scores = tl.dot(keys.to(q.dtype), q, input_precision=INPUT_PRECISION)  # [PAGES * B, N] fp32
         block_max = tl.max(tl.reshape(scores, [PAGES, B, N]), axis=1)  # [PAGES, N]
         for p in tl.static_range(PAGES):
             block = first + p
@@ -185,8 +186,9 @@ def check_decode_inputs(index_q: torch.Tensor, index_key_cache: torch.Tensor, me
             f"index_key_cache has shape {tuple(index_key_cache.shape)}, "
             f"expected [num_pages, {shape.block_size}, {shape.index_head_dim}]"
         )
-    if index_q.dtype != index_key_cache.dtype:
-        raise ValueError(f"index_q is {index_q.dtype} but index_key_cache is {index_key_cache.dtype}")
+    if index_key_cache.dtype not in (index_q.dtype, torch.float8_e4m3fn):
+        raise ValueError(f"index_key_cache must be {index_q.dtype} (as index_q) or float8_e4m3fn, "
+                         f"not {index_key_cache.dtype}")  # fmt: skip
     if index_q.stride(-1) != 1 or index_key_cache.stride(-1) != 1:
         raise ValueError("index_q and index_key_cache need a contiguous last dimension")
     if shape.num_kv_heads * plan.max_query_len > MAX_DECODE_COLUMNS:

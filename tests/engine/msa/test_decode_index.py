@@ -94,3 +94,13 @@ def test_too_many_tokens_per_request_are_refused() -> None:
         decode_index_topk(index_q, batch.index_key_cache, batch.metadata, plan)
     with pytest.raises(ValueError, match="index_q has shape"):
         decode_index_topk(index_q[:, :1], batch.index_key_cache, batch.metadata, plan)
+
+
+def test_fp8_index_keys_match_the_reference_on_the_same_keys() -> None:
+    """An fp8 (e4m3) k-index halves the scan's bytes; the queries stay in their type, so the kernel
+    must select exactly what the reference selects from the dequantized keys."""
+    batch, index_q = make_batch(torch.float32, seed=13)
+    fp8_cache = batch.index_key_cache.to(torch.float8_e4m3fn)
+    batch.index_key_cache = fp8_cache
+    batch.index_keys = [keys.to(torch.float8_e4m3fn).float() for keys in batch.index_keys]
+    check_against_reference(batch, index_q, shape_for(topk=4, local_blocks=1), splits=2)
