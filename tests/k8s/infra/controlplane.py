@@ -264,20 +264,34 @@ def _admin_tls(pki: Path) -> ssl.SSLContext:
 # Start and stop
 
 
+# Ports are picked free but bound later by the components, so another process may take one in
+# between (other test runs start control planes on the same machine); such a start is retried.
+START_ATTEMPTS = 3
+
+
 def start(run_dir: Path, binaries: Path, timeout_s: float = 120.0) -> ControlPlane:
     """Starts a control plane in run_dir (created; must not exist) from the built folder
     `binaries` (see binaries_dir) and waits until its fake nodes are Ready.  On any failure it
     stops what it started and raises ControlPlaneError with the components' logs."""
-    run_dir.mkdir(parents=True)
-    (run_dir / "logs").mkdir()
-    processes: dict[str, ProcessId] = {}
-    try:
-        plane = _start_components(run_dir, binaries / "bin", binaries / "share", processes, timeout_s)
-    except BaseException:
-        stop(run_dir, remove=False)  # every launch was recorded, so this stops exactly those
-        raise
-    log.info("control plane up in %s (%s)", run_dir, plane.server)
-    return plane
+    for attempt in range(1, START_ATTEMPTS + 1):
+        run_dir.mkdir(parents=True)
+        (run_dir / "logs").mkdir()
+        processes: dict[str, ProcessId] = {}
+        try:
+            plane = _start_components(run_dir, binaries / "bin", binaries / "share", processes, timeout_s)
+        except ControlPlaneError as error:
+            stop(run_dir, remove=False)  # every launch was recorded, so this stops exactly those
+            if "address already in use" not in str(error) or attempt == START_ATTEMPTS:
+                raise
+            log.warning("a port was taken while starting (attempt %d); starting again", attempt)
+            shutil.rmtree(run_dir)
+            continue
+        except BaseException:
+            stop(run_dir, remove=False)
+            raise
+        log.info("control plane up in %s (%s)", run_dir, plane.server)
+        return plane
+    raise AssertionError("unreachable: the last attempt returns or raises")
 
 
 def _record(
@@ -434,7 +448,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.exit(1, f"{error}\n")
     sys.stdout.write(
         f"export KUBECONFIG={plane.kubeconfig}\nexport PATH={plane.bin_dir}:$PATH\n"
-        f"export M3STACK_K8S_RUN_DIR={plane.run_dir}\n"
+        f"export M3STACK_K8S_RUN_DIR={plane.run_dir}\nexport M3STACK_K8S_SHARE={plane.share_dir}\n"
     )
     return 0
 
