@@ -7,6 +7,8 @@ with several new tokens (MTP); unused cache slots are NaN and outputs start as N
 an unwritten slot or any unwritten output shows.
 """
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -253,3 +255,16 @@ def test_backend_decode_graph_replays_a_later_step() -> None:
     torch.cuda.synchronize()
     for expected, actual in zip(want, captured, strict=True):
         torch.testing.assert_close(actual.float(), expected.float(), atol=OUT_TOLERANCE, rtol=OUT_TOLERANCE)
+
+
+def test_fp8_index_keys_select_what_the_reference_selects_from_them(batch) -> None:
+    paged, _, index_q = batch
+    metadata = paged.metadata
+    fp8 = dataclasses.replace(
+        paged,
+        index_key_cache=paged.index_key_cache.to(torch.float8_e4m3fn),
+        index_keys=[keys.to(torch.float8_e4m3fn).bfloat16() for keys in paged.index_keys],
+    )
+    plan = plan_sparse_decode(metadata, SHAPE, torch.device("cuda"))
+    selected = decode_index_topk(index_q, fp8.index_key_cache, metadata, plan)
+    check_selection(fp8, index_q, selected)
