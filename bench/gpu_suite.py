@@ -5,7 +5,7 @@ On the H200 machine, from the repository root (see CONTRIBUTING.md and ../shared
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
         .whl/*.whl && export PYTHONPATH=/tmp/site:$PWD && PYTHONUNBUFFERED=1 python3 bench/gpu_suite.py --out $OUT
 
-Writes under --out: ``suite.log`` (everything), ``pytest.txt`` and ``results.tar.gz`` (each benchmark's
+Writes under --out: ``suite.log`` (everything) and ``results.tar.gz`` (each benchmark's
 ``<name>.json``), and prints a one-line-per-stage summary last.  Results are then committed under
 ``bench/results/``.
 """
@@ -37,7 +37,7 @@ def stages(results_dir: Path, selected: set[str] | None) -> list[Stage]:
     python = sys.executable
     out = ["--out", str(results_dir)]
     all_stages = [
-        Stage("pytest", [python, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/gpu", "-x", "--timeout=300"], 900),
+        Stage("pytest", [python, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/gpu", "--timeout=300"], 900),
         Stage("msa_decode", [python, "-m", "bench.msa_decode", *out], 420),
         Stage("msa_prefill", [python, "-m", "bench.msa_prefill", *out], 420),
         Stage("engine_step", [python, "-m", "bench.engine_step", *out], 300),
@@ -87,11 +87,9 @@ def main() -> int:
             tar.add(path, arcname=path.name)
     # Tables the benchmarks printed, and the stage summary, last (the device reply shows the tail).
     tail = (args.out / "suite.log").read_text().splitlines()
-    for line in tail:
-        if line.startswith("|"):
-            print(line)
-    for name, status, seconds in summary:
-        print(f"STAGE {name:<12} {status:<14} {seconds:6.1f}s")
+    report = [line for line in tail if line.startswith("|")]
+    report += [f"STAGE {name:<12} {status:<14} {seconds:6.1f}s" for name, status, seconds in summary]
+    sys.stdout.write("\n".join(report) + "\n")
     return 0 if all(status in ("ok", "missing") for _, status, _ in summary) else 1
 
 
