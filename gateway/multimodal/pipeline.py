@@ -213,13 +213,13 @@ class MediaPipeline:
 
 
 async def _all(coroutines: list) -> list:
-    """Run concurrently; on the first failure cancel the rest and raise that failure itself."""
-    try:
-        async with asyncio.TaskGroup() as group:
-            tasks = [group.create_task(c) for c in coroutines]
-    except* MediaError as errors:
-        raise errors.exceptions[0] from None
-    return [t.result() for t in tasks]
+    """Run concurrently to the end (a failed item does not cut its siblings' jobs short, which would cost
+    their workers), then raise the first failure in item order."""
+    results = await asyncio.gather(*coroutines, return_exceptions=True)
+    for result in results:
+        if isinstance(result, BaseException):
+            raise result
+    return results
 
 
 # ---------------------------------------------------------------------------------------------

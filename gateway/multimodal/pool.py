@@ -61,6 +61,7 @@ class WorkerPool:
         self._size = workers or default_worker_count()
         self._idle: asyncio.Queue[_Worker] | None = None
         self._all: set[_Worker] = set()
+        self._reclaiming: set[asyncio.Future] = set()
 
     @property
     def size(self) -> int:
@@ -84,19 +85,26 @@ class WorkerPool:
         if self._idle is None:
             raise RuntimeError("WorkerPool.start() was not awaited")
         worker = await self._idle.get()
-        healthy = False
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        call = asyncio.ensure_future(self._call(worker, job, args))
         try:
-            status, value = await asyncio.wait_for(self._call(worker, job, args), timeout=timeout_s)
-            healthy = True
+            status, value = await asyncio.wait_for(asyncio.shield(call), timeout=timeout_s)
         except TimeoutError:
+            call.cancel()
+            await self._replace(worker)
             raise MediaError(f"processing the media took longer than {timeout_s:g}s", "media_timeout") from None
-        except (EOFError, OSError, BrokenPipeError):
+        except (EOFError, OSError):
+            await self._replace(worker)
             raise MediaError("the media crashed its decoder", "invalid_media") from None
-        finally:
-            if healthy:
-                self._idle.put_nowait(worker)
-            else:
-                await self._replace(worker)
+        except asyncio.CancelledError:
+            # The caller gave up (client gone, a sibling item failed): the job runs out in the background
+            # and its worker comes back, instead of a kill and a fresh spawn.
+            reclaim = asyncio.ensure_future(self._reclaim(worker, call, deadline))
+            self._reclaiming.add(reclaim)
+            reclaim.add_done_callback(self._reclaiming.discard)
+            raise
+        self._idle.put_nowait(worker)
         if status == "ok":
             return value
         if status == "media_error":
@@ -115,6 +123,16 @@ class WorkerPool:
         finally:
             loop.remove_reader(fd)
         return worker.conn.recv()
+
+    async def _reclaim(self, worker: _Worker, call: asyncio.Future, deadline: float) -> None:
+        try:
+            await asyncio.wait_for(call, timeout=max(0.0, deadline - asyncio.get_running_loop().time()))
+        except (TimeoutError, EOFError, OSError):
+            call.cancel()
+            await self._replace(worker)
+            return
+        assert self._idle is not None
+        self._idle.put_nowait(worker)
 
     async def _replace(self, worker: _Worker) -> None:
         self._all.discard(worker)

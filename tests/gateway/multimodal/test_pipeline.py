@@ -52,7 +52,7 @@ def runner():
 
 @pytest.fixture(scope="module")
 def pool(runner):
-    workers = WorkerPool(workers=2, warmup=warm_worker)
+    workers = WorkerPool(workers=1, warmup=warm_worker)
     runner.run(workers.start())
     yield workers
     runner.run(workers.close())

@@ -35,6 +35,13 @@ def test_pool_survives_timeouts_crashes_and_errors():
                 await pool.run(int, "not a number", timeout_s=30)
             assert bug.value.status == 500
 
+            # A caller that gives up does not cost the worker: its job runs out and the worker returns.
+            pid = await pool.run(os.getpid, timeout_s=30)
+            abandoned = asyncio.ensure_future(pool.run(time.sleep, 1.0, timeout_s=30))
+            await asyncio.sleep(0.2)
+            abandoned.cancel()
+            assert await pool.run(os.getpid, timeout_s=30) == pid
+
             # Every failure above replaced or kept the single worker: it still serves.
             assert await pool.run(math.hypot, 6, 8, timeout_s=30) == 10.0
         finally:
