@@ -6,15 +6,20 @@ cluster's state into a ``Decision`` plus the next state.  Nothing here reads a c
     target        = target_per_engine * utilization
     stable, panic = mean concurrency over the stable / panic window
     ready         = max(1, ready engines)
-    max_up        = ceil(max_scale_up_rate * ready);  max_down = floor(ready / max_scale_down_rate)
+    max_up        = max(ceil(max_scale_up_rate * ready), current);  max_down = floor(ready / max_scale_down_rate)
     stable_pods   = clamp(ceil(stable / target), max_down, max_up)   (likewise panic_pods)
     panic         when ceil(panic / target) / ready >= panic_threshold; left after a full stable window
                   below the threshold; while in panic the desired count never decreases
     scale down    only to the highest recommendation of the last scale_down_delay seconds
     never up      while engine pods are Pending (InsufficientCapacity when unschedulable)
+    min_replicas  0 allows scaling to zero (off by default: the CRD's minReplicas defaults to 1)
 
 Defaults follow AIBrix (stable 180 s, panic 60 s, rates 2x, scale-down delay 300 s): GPU engines take
 minutes to load, so Knative's 60 s / 6 s windows would flap.
+
+One departure from Knative: the scale-up limit is never below the current count.  Knative bounds the
+desired count by ``rate * ready``, so while engines are still loading (minutes on GPUs, ready well
+below current) it would remove the very engines that are about to serve the load.
 """
 
 import math
@@ -50,7 +55,6 @@ class AutoscalerConfig:
     max_scale_up_rate: float = 2.0
     max_scale_down_rate: float = 2.0
     scale_down_delay_s: float = 300.0
-    scale_to_zero: bool = False
 
     def __post_init__(self) -> None:
         problems = []
@@ -58,8 +62,8 @@ class AutoscalerConfig:
             problems.append("target_per_engine must be > 0")
         if not 0 < self.utilization <= 1:
             problems.append("utilization must be in (0, 1]")
-        if self.min_replicas < (0 if self.scale_to_zero else 1):
-            problems.append("min_replicas must be >= 1 unless scale_to_zero is on")
+        if self.min_replicas < 0:
+            problems.append("min_replicas must be >= 0")
         if self.max_replicas < max(1, self.min_replicas):
             problems.append("max_replicas must be >= max(1, min_replicas)")
         if not 0 < self.panic_window_s <= self.stable_window_s:
@@ -108,6 +112,12 @@ class AutoscalerState:
         return replace(self, samples=deque(self.samples), recommendations=deque(self.recommendations))
 
 
+def initial_state(now: float, current_replicas: int) -> AutoscalerState:
+    """The state of an autoscaler that starts (or restarts) on a running deployment: the current
+    count counts as a recommendation, so nothing is removed before a full scale-down delay of data."""
+    return AutoscalerState(recommendations=deque([(now, current_replicas)]))
+
+
 def observe(state: AutoscalerState, now: float, concurrency: float, config: AutoscalerConfig) -> AutoscalerState:
     """Add a concurrency sample and drop samples older than the stable window."""
     if concurrency < 0 or not math.isfinite(concurrency):
@@ -135,7 +145,8 @@ def decide(
 
     new = state.copy()
     ready = max(1, cluster.ready_replicas)
-    max_up = math.ceil(config.max_scale_up_rate * ready)
+    # The rate limits growth; it must not shrink a count that ready engines have not caught up with.
+    max_up = max(math.ceil(config.max_scale_up_rate * ready), cluster.current_replicas)
     max_down = math.floor(ready / config.max_scale_down_rate)
     wanted_stable = math.ceil(stable / config.target)
     wanted_panic = math.ceil(panic / config.target)
@@ -169,10 +180,12 @@ def decide(
         desired, reason = config.max_replicas, Reason.MAX_REACHED
     desired = max(desired, config.min_replicas)
 
-    # Adding engines while earlier ones cannot even be placed only piles up Pending pods.
-    if desired > cluster.current_replicas and (cluster.pending_pods or cluster.unschedulable_pods):
-        desired = cluster.current_replicas
-        reason = Reason.INSUFFICIENT_CAPACITY if cluster.unschedulable_pods else Reason.PODS_PENDING
+    # Adding engines while earlier ones cannot even be placed only piles up Pending pods.  Wanting at
+    # least what exists while some of it cannot be placed is reported as such, even with nothing to add.
+    if cluster.unschedulable_pods and desired >= cluster.current_replicas:
+        desired, reason = cluster.current_replicas, Reason.INSUFFICIENT_CAPACITY
+    elif cluster.pending_pods and desired > cluster.current_replicas:
+        desired, reason = cluster.current_replicas, Reason.PODS_PENDING
 
     if reason is None:
         reason = Reason.STEADY if desired == cluster.current_replicas else Reason.SCALED

@@ -1,7 +1,7 @@
 """Table-driven tests of the built-in autoscaler's decision function (operator/autoscaler/algorithm.py)."""
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import pytest
 
@@ -12,6 +12,7 @@ from m3stack.operator.autoscaler.algorithm import (
     Mode,
     Reason,
     decide,
+    initial_state,
     observe,
 )
 
@@ -29,15 +30,18 @@ CONFIG = AutoscalerConfig(
 
 @dataclass
 class Simulation:
-    """Feeds a concurrency sample every tick and applies each decision; unschedulable pods never get ready."""
+    """Feeds a concurrency sample every tick and applies each decision; unschedulable and loading pods
+    never get ready."""
 
     config: AutoscalerConfig = CONFIG
     replicas: int = 1
     unschedulable: int = 0
+    loading: int = 0
     now: float = 0.0
+    state: AutoscalerState | None = None
 
     def __post_init__(self) -> None:
-        self.state = AutoscalerState()
+        self.state = self.state or AutoscalerState()
         self.history: list[int] = []  # desired replicas per tick
 
     def run(self, concurrency: float, seconds: float):
@@ -45,7 +49,7 @@ class Simulation:
         for _ in range(int(seconds / TICK_S)):
             self.now += TICK_S
             self.state = observe(self.state, self.now, concurrency, self.config)
-            ready = self.replicas - self.unschedulable
+            ready = self.replicas - self.unschedulable - self.loading
             cluster = ClusterState(self.replicas, ready, unschedulable_pods=self.unschedulable)
             decision, self.state = decide(self.config, self.state, self.now, cluster)
             self.replicas = decision.desired_replicas
@@ -168,10 +172,33 @@ def test_max_reached_is_reported():
     assert (decision.desired_replicas, decision.reason) == (10, Reason.MAX_REACHED)
 
 
-def test_scale_to_zero_only_when_enabled():
+def test_engines_still_loading_are_not_removed_by_the_scale_up_limit():
+    """3 engines of which 2 load for minutes and a demand of 3: keep 3.  Knative caps the count at
+    rate x ready = 2; panic mode hides that only while the panic threshold is not above the rate."""
+    config = replace(CONFIG, panic_threshold=4.0)
+    sim = Simulation(config=config, replicas=3, loading=2)
+    decision = sim.run(30, config.stable_window_s + 3 * config.scale_down_delay_s)
+    assert decision.mode is Mode.STABLE
+    assert set(sim.history) == {3}
+
+
+def test_unschedulable_pods_are_reported_while_the_demand_is_already_met():
+    state = observe(AutoscalerState(), 1.0, 30, CONFIG)
+    decision, _ = decide(CONFIG, state, 1.0, ClusterState(current_replicas=3, ready_replicas=2, unschedulable_pods=1))
+    assert (decision.desired_replicas, decision.reason) == (3, Reason.INSUFFICIENT_CAPACITY)
+
+
+def test_a_restarted_autoscaler_waits_a_full_delay_before_scaling_down():
+    sim = Simulation(replicas=6, state=initial_state(0.0, 6))
+    sim.run(0, CONFIG.scale_down_delay_s - 2 * TICK_S)
+    assert sim.replicas == 6, "scaled down on the first samples after a restart"
+    sim.run(0, 4 * TICK_S)
+    assert sim.replicas < 6
+
+
+def test_scale_to_zero_with_min_replicas_zero():
     zero = AutoscalerConfig(
         min_replicas=0,
-        scale_to_zero=True,
         stable_window_s=60,
         panic_window_s=6,
         scale_down_delay_s=0,
@@ -181,6 +208,8 @@ def test_scale_to_zero_only_when_enabled():
     sim = Simulation(config=zero, replicas=2)
     sim.run(0, 200)
     assert sim.replicas == 0
+    decision = sim.run(3, TICK_S)  # any demand wakes it
+    assert decision.desired_replicas == 1
 
 
 @pytest.mark.parametrize(
@@ -188,7 +217,7 @@ def test_scale_to_zero_only_when_enabled():
     [
         {"target_per_engine": 0},
         {"utilization": 1.5},
-        {"min_replicas": 0},
+        {"min_replicas": -1},
         {"min_replicas": 5, "max_replicas": 2},
         {"panic_window_s": 300, "stable_window_s": 60},
         {"panic_threshold": 1.0},
