@@ -7,6 +7,12 @@ paged cache, that the float32 oracle agrees with as often as with transformers' 
 
 Inputs are synthetic (random normalized patches, placeholder rows at known places), so neither the HF processors
 nor torchvision are needed on the GPU machine; transformers >= 5.24 is (the .whl folder carries it).
+
+The 1e-4 bar only means something when no discrete decision of the forward (an MSA block top-k, an MoE expert
+top-k, a greedy argmax) sits within rounding of a tie: with seed 11 the image prompt's row 193 had two MSA
+candidate blocks 1e-6 apart on layer 1, so transformers and ours, both correct float32 on CUDA, picked different
+blocks and that row's logits differed by 2.6% (the H200 run's failure; float64 on CPU showed the same gap).
+``test_prompts_are_well_conditioned`` checks that on the CPU, float32 against float64, before the GPU is blamed.
 """
 
 import pytest
@@ -24,6 +30,8 @@ NUM_PAGES = 128
 DEVICE = "cuda"
 # (modality, grid_thw rows) per case; None = text only.  The video is one 6-frame-patch clip in chunks of 4 + 2.
 BACKENDS = ["reference", "gpu"]
+# Seed 12 leaves every decision of every case clear of ties (see the module docstring); 11 did not for the image.
+PROMPT_SEED = 12
 CASES = {"text": None, "image": (Modality.IMAGE, [[1, 16, 20]]), "video": (Modality.VIDEO, [[4, 4, 6], [2, 4, 6]])}
 
 
@@ -48,7 +56,7 @@ def _oracle(checkpoint, dtype):
 def prompts(checkpoint):
     """Per case: input ids with placeholder runs, and the patches + grid the placeholders stand for."""
     config = load_model(checkpoint, "cpu", torch.float32)[1]
-    generator = torch.Generator().manual_seed(11)
+    generator = torch.Generator().manual_seed(PROMPT_SEED)
     out = {}
     for name, media in CASES.items():
         text = torch.randint(0, 360, (180,), generator=generator)
@@ -86,15 +94,15 @@ def _backend_factory(name: str, model):
     )
 
 
-def _ours(model, ids, media, backend: str) -> tuple[torch.Tensor, list[int]]:
+def _ours(model, ids, media, backend: str, device: str = DEVICE) -> tuple[torch.Tensor, list[int]]:
     rows = embeds = None
     if media is not None:
         modality, patches, grid = media
         with torch.inference_mode():
-            embeds = model.encode_vision(patches.to(DEVICE), grid, modality)
+            embeds = model.encode_vision(patches.to(device), grid, modality)
         token = model.config.image_token_id if modality == Modality.IMAGE else model.config.video_token_id
-        rows = torch.nonzero(ids == token).flatten().to(DEVICE)
-    runner = PagedRunner(model, NUM_PAGES, DEVICE, backend_factory=_backend_factory(backend, model))
+        rows = torch.nonzero(ids == token).flatten().to(device)
+    runner = PagedRunner(model, NUM_PAGES, device, backend_factory=_backend_factory(backend, model))
     with torch.inference_mode():
         return runner.greedy(Chunk(Sequence(), ids, rows, embeds), NUM_TOKENS)
 
@@ -107,6 +115,19 @@ def float32_reference(checkpoint, prompts):
         for name, (ids, media) in prompts.items()
     }
     return oracle, results
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_prompts_are_well_conditioned(checkpoint, prompts, name):
+    """Float32 and float64 on the CPU agree to 1e-5 with the same greedy tokens: no decision sits on a tie, so
+    two correct float32 implementations on the GPU must agree to the 1e-4 bar below."""
+    ids, media = prompts[name]
+    (logits32, tokens32), (logits64, tokens64) = (
+        _ours(load_model(checkpoint, "cpu", dtype)[0], ids, media, "reference", "cpu")
+        for dtype in (torch.float32, torch.float64)
+    )
+    assert relative_error(logits32, logits64) <= 1e-5
+    assert tokens32 == tokens64
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
