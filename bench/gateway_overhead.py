@@ -201,7 +201,32 @@ def summarize(path: str, concurrency: int, samples: list[Sample]) -> dict[str, f
     }
 
 
-async def measure(args: argparse.Namespace, engine_port: int, gateway_port: int, prompt_ids: list[int]) -> list[dict]:
+def process_cpu_s(pid: int) -> float:
+    """User + system CPU seconds of a process so far (Linux /proc)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+@dataclass
+class CpuMeter:
+    """CPU time the stub engine and the gateway spend per request, per path."""
+
+    engine_pid: int
+    gateway_pid: int
+    seconds: dict[tuple[str, str], float]
+
+    async def run(self, path: str, work: Awaitable[list[Sample]]) -> list[Sample]:
+        before = {"engine": process_cpu_s(self.engine_pid), "gateway": process_cpu_s(self.gateway_pid)}
+        samples = await work
+        for process, pid in (("engine", self.engine_pid), ("gateway", self.gateway_pid)):
+            key = (path, process)
+            self.seconds[key] = self.seconds.get(key, 0.0) + process_cpu_s(pid) - before[process]
+        return samples
+
+
+async def measure(
+    args: argparse.Namespace, engine_port: int, gateway_port: int, prompt_ids: list[int], pids: tuple[int, int]
+) -> list[dict]:
     import aiohttp
 
     rows: list[dict] = []
@@ -225,20 +250,26 @@ async def measure(args: argparse.Namespace, engine_port: int, gateway_port: int,
             await run_closed_loop(through_gateway, concurrency, concurrency * 2)
             # Alternate the two paths in rounds so that noise from other work on the machine hits both.
             collected: dict[str, list[Sample]] = {"direct": [], "gateway": []}
+            meter = CpuMeter(*pids, seconds={})
             for _ in range(args.rounds):
-                collected["direct"] += await run_closed_loop(direct, concurrency, total // args.rounds)
-                collected["gateway"] += await run_closed_loop(through_gateway, concurrency, total // args.rounds)
+                for path, send in (("direct", direct), ("gateway", through_gateway)):
+                    collected[path] += await meter.run(path, run_closed_loop(send, concurrency, total // args.rounds))
             for samples in collected.values():
                 short = [s for s in samples if s.tokens != args.tokens]
                 if short:
                     raise RuntimeError(f"{len(short)} requests did not receive exactly {args.tokens} tokens")
             direct_row = summarize("direct", concurrency, collected["direct"])
             gateway_row = summarize("gateway", concurrency, collected["gateway"])
+            for row in (direct_row, gateway_row):
+                path, count = row["path"], row["requests"]
+                row["engine_cpu_ms_per_request"] = 1e3 * meter.seconds[(path, "engine")] / count
+                row["gateway_cpu_ms_per_request"] = 1e3 * meter.seconds[(path, "gateway")] / count
             overhead = {
                 "concurrency": concurrency,
                 "path": "overhead (gateway - direct)",
                 "requests": gateway_row["requests"],
                 **{key: gateway_row[key] - direct_row[key] for key in direct_row if key.endswith("_ms")},
+                "gateway_cpu_ms_per_request": gateway_row["gateway_cpu_ms_per_request"],
             }
             rows += [direct_row, gateway_row, overhead]
             logger.info("concurrency %d: %s", concurrency, json.dumps(overhead))
@@ -316,7 +347,9 @@ def main() -> None:
         ]
         try:
             wait_ready(f"http://{LOOPBACK}:{gateway_port}/ready", 60)
-            rows = asyncio.run(measure(args, engine_port, gateway_port, prompt_ids))
+            load_before = os.getloadavg()[0]
+            rows = asyncio.run(measure(args, engine_port, gateway_port, prompt_ids, (children[0].pid, children[1].pid)))
+            load_after = os.getloadavg()[0]
         finally:
             for child in children:
                 child.terminate()
@@ -326,6 +359,8 @@ def main() -> None:
         "tokens_per_request": args.tokens,
         "stub_token_interval_ms": args.token_interval_ms,
         "prompt_tokens": len(prompt_ids),
+        # Other work on the machine competes for its cores: the one-minute load average around the run.
+        "load_average_before_after": [load_before, load_after],
         "target": "p50 end-to-end overhead < 2 ms at concurrency 64",
     }
     write_results("gateway_overhead", rows, extra={"settings": settings}, out_dir=args.out)

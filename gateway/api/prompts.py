@@ -29,6 +29,11 @@ from m3stack.gateway.tokenize.tokenizer import ModelTokenizer
 
 T = TypeVar("T")
 
+# Texts up to this size are tokenized on the event loop: that takes well under a millisecond, less than
+# the hop to a worker thread, which under load also waits for the GIL (up to the 5 ms switch interval,
+# twice).  Longer texts go to the thread pool, where the Rust tokenizer runs without the GIL.
+INLINE_TOKENIZE_MAX_CHARS = 1024
+
 
 @dataclass(frozen=True)
 class Prompt:
@@ -50,7 +55,9 @@ class PromptBuilder:
         self._executor = executor
         self._media = media
 
-    async def _off_loop(self, work: Callable[[], T]) -> T:
+    async def _tokenize(self, work: Callable[[], T], chars: int) -> T:
+        if chars <= INLINE_TOKENIZE_MAX_CHARS:
+            return work()
         return await asyncio.get_running_loop().run_in_executor(self._executor, work)
 
     async def chat(self, request: ChatCompletionRequest, context_length: int) -> Prompt:
@@ -77,7 +84,7 @@ class PromptBuilder:
             # The template writes the special tokens itself (BOS included).
             return Prompt(self._encode(text, add_special_tokens=False, param="messages"), text)
 
-        prompt = await self._off_loop(render_and_encode)
+        prompt = await self._tokenize(render_and_encode, _conversation_chars(messages))
         if not media_parts:
             return prompt
         return await self._with_media(prompt, media_parts, context_length)
@@ -89,7 +96,9 @@ class PromptBuilder:
             # Each marker of the templated text becomes the item's tokens: the rest of the context is theirs.
             items = await media.process_media(parts, vision_token_budget=context_length - len(prompt.token_ids))
             expanded = media.expand_prompt(prompt.text, items)
-            token_ids = await self._off_loop(lambda: self._encode(expanded, add_special_tokens=False, param="messages"))
+            token_ids = await self._tokenize(
+                lambda: self._encode(expanded, add_special_tokens=False, param="messages"), len(expanded)
+            )
             spans = media.placeholder_spans(token_ids, self._tokenizer, items)
         except MediaError as exc:
             raise APIError(exc.status, exc.message, param=exc.param, code=exc.code) from exc
@@ -107,16 +116,20 @@ class PromptBuilder:
         else:
             texts = None
         if texts is not None:
-            return await self._off_loop(
-                lambda: [Prompt(self._encode(text, add_special_tokens=True, param="prompt"), text) for text in texts]
+            return await self._tokenize(
+                lambda: [Prompt(self._encode(text, add_special_tokens=True, param="prompt"), text) for text in texts],
+                sum(map(len, texts)),
             )
         id_lists: Sequence[list[int]] = [prompt] if isinstance(prompt[0], int) else prompt  # type: ignore[list-item,assignment]
         vocab = self._tokenizer.vocab_size
         for ids in id_lists:
             if (bad := next((i for i in ids if i >= vocab), None)) is not None:
                 raise invalid_request(f"token id {bad} is outside the vocabulary (size {vocab})", param="prompt")
-        return await self._off_loop(
-            lambda: [Prompt(list(ids), self._tokenizer.decode(ids, skip_special_tokens=False)) for ids in id_lists]
+        if not request.echo:
+            return [Prompt(list(ids), None) for ids in id_lists]
+        return await self._tokenize(
+            lambda: [Prompt(list(ids), self._tokenizer.decode(ids, skip_special_tokens=False)) for ids in id_lists],
+            sum(map(len, id_lists)),
         )
 
     def _encode(self, text: str, add_special_tokens: bool, param: str) -> list[int]:
@@ -127,6 +140,10 @@ class PromptBuilder:
         if not ids:
             raise invalid_request("the prompt is empty", param=param)
         return ids
+
+
+def _conversation_chars(messages: list[dict[str, Any]]) -> int:
+    return sum(len(v) for m in messages for v in (m.get("content"), m.get("reasoning_content")) if isinstance(v, str))
 
 
 def _media_parts(messages: list[ChatMessage]) -> list[MediaPart]:

@@ -61,8 +61,9 @@ class ModelTokenizer:
         return cls(tokenizer, read_tokenizer_files(folder))
 
     def encode(self, text: str, add_special_tokens: bool) -> list[int]:
-        # encode_batch releases the GIL while the Rust side works; encode does not.
-        return self._tokenizer.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
+        # The batch call releases the GIL while the Rust side works (encode does not), and the "fast"
+        # one skips the character offsets we never use (about half the work).
+        return self._tokenizer.encode_batch_fast([text], add_special_tokens=add_special_tokens)[0].ids
 
     def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self._tokenizer.decode(token_ids, skip_special_tokens=skip_special_tokens)
