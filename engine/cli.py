@@ -82,6 +82,10 @@ def add_arguments(opts: OptionGroup) -> None:
     )
     opts.flag("--disable-prefix-caching", help="never share KV blocks between requests")
     opts.flag("--enforce-eager", help="no CUDA graphs for decode steps")
+    opts.flag(
+        "--disable-async-scheduling",
+        help="finish each step before scheduling the next (by default on cuda the host overlaps the GPU)",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -112,6 +116,7 @@ def run(args: argparse.Namespace) -> int:
             max_queue=args.max_queue,
             enable_prefix_caching=not args.disable_prefix_caching,
             cuda_graphs=not args.enforce_eager,
+            async_scheduling=False if args.disable_async_scheduling else None,
             cpu_threads=args.cpu_threads,
             seed=args.seed,
         ),

@@ -158,7 +158,10 @@ class _Parts:
         runner = ModelRunner(self.model, backend, encoder_cache, block_size=block_size,
                              vocab_size=self.m3.text.vocab_size, device=self.device, dtype=self.dtype,
                              decode_graphs=graphs)  # fmt: skip
-        return EngineCore(info, scheduler, runner)
+        async_scheduling = config.async_scheduling
+        if async_scheduling is None:
+            async_scheduling = self.device.type == "cuda"
+        return EngineCore(info, scheduler, runner, async_scheduling=async_scheduling)
 
 
 def _num_kv_blocks(config: EngineConfig, spec: KVCacheSpec, device: torch.device, parts: _Parts) -> int:

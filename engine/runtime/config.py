@@ -33,6 +33,8 @@ class EngineConfig:
     max_queue: int = 1024
     enable_prefix_caching: bool = True
     cuda_graphs: bool = True
+    # Schedule step N+1 while step N runs on the device; None: on for cuda (on cpu nothing overlaps).
+    async_scheduling: bool | None = None
     encoder_cache_embeds: int | None = None  # None: max(max_num_batched_tokens, 16384)
     num_kv_blocks: int | None = None  # exact KV block count (tests, benchmarks); overrides kv_cache_gb
     cpu_threads: int | None = None  # torch intra-op threads; None: torch's default

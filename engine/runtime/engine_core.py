@@ -1,15 +1,19 @@
-"""One engine step at a time: schedule, execute, apply; request-level failures never stop the engine.
+"""The step loop's body: schedule, launch, finish, apply; request-level failures never stop the engine.
 
-``EngineCore`` is synchronous and single-threaded (the server drives it from one thread).  A step
-that fails ends only the requests it touched: an image the vision tower rejects ends the requests
-that carry it with INVALID_ARGUMENT while the others simply run next step; any other failure of the
-forward ends that step's requests with INTERNAL and is logged with its traceback.
+``EngineCore`` is single-threaded (the server drives it from one thread).  With async scheduling
+(the default on GPUs) one step stays in flight: each ``step()`` schedules and launches step N+1,
+then waits for step N and applies it, so the host's scheduling and bookkeeping overlap the GPU's
+work instead of leaving it idle.  Without it, each ``step()`` runs one step to completion.
+
+A step that fails ends only the requests it touched: an image the vision tower rejects ends the
+requests that carry it with INVALID_ARGUMENT while the others are rewound and run next step; any
+other failure ends that step's requests with INTERNAL and is logged with its traceback.
 """
 
 import logging
 import time
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 from m3stack.engine.runtime.config import ModelInfo
 from m3stack.engine.runtime.errors import DuplicateRequestError, EngineError, InvalidRequestError
@@ -20,8 +24,12 @@ logger = logging.getLogger(__name__)
 
 
 class Runner(Protocol):
-    def execute(self, out: SchedulerOutput) -> dict[str, SampledToken]:
-        """Run the encoder items and the forward of ``out``; the sampled token of every request that samples."""
+    def launch(self, out: SchedulerOutput) -> Any:
+        """Run the encoder items and enqueue the forward and sampling of ``out``; returns a handle at once."""
+        ...
+
+    def finish(self, launched: Any) -> dict[str, SampledToken]:
+        """Wait for a launched step: the sampled token of every request that samples."""
         ...
 
 
@@ -67,15 +75,19 @@ class StepReport:
 
 
 class EngineCore:
-    def __init__(self, info: ModelInfo, scheduler: Scheduler, runner: Runner) -> None:
+    def __init__(
+        self, info: ModelInfo, scheduler: Scheduler, runner: Runner, *, async_scheduling: bool = False
+    ) -> None:
         self.info = info
         self.scheduler = scheduler
         self.runner = runner
+        self.async_scheduling = async_scheduling
         self.num_steps = 0
+        self._in_flight: tuple[SchedulerOutput, Any] | None = None
 
     @property
     def has_work(self) -> bool:
-        return self.scheduler.has_work
+        return self.scheduler.has_work or self._in_flight is not None
 
     def add_request(self, request: Request, *, bypass_queue_limit: bool = False) -> None:
         if request.request_id in self.scheduler.requests:
@@ -93,46 +105,60 @@ class EngineCore:
         return self.scheduler.abort_request(request_id, message)
 
     def step(self) -> StepReport:
+        """Advance by one step; the report describes the step that completed (the previous one when async)."""
         start = time.perf_counter()
         out = self.scheduler.schedule()
         scheduled = time.perf_counter()
-        if out.is_empty:
-            return StepReport([], 0, 0, False, scheduled - start, schedule_s=scheduled - start)
-        self.num_steps += 1
-        try:
-            sampled = self.runner.execute(out)
-        except EncoderError as failure:
-            logger.warning("vision encoder rejected items: %s", failure.message)
-            error = InvalidRequestError(failure.message)
-            failed = [
-                s.request.request_id
-                for s in out.requests
-                if any(m.content_hash in failure.content_hashes for m in s.request.mm_inputs)
-            ]
-            sampled = None
-            outputs = self._fail(failed, error)
-        except Exception as exc:
-            logger.exception("step failed; ending its %d requests", len(out.requests))
-            sampled = None
-            outputs = self._fail(
-                [s.request.request_id for s in out.requests],
-                EngineError(f"the engine step failed: {type(exc).__name__}: {exc}"),
-            )
+        outputs: list[RequestOutput] = []
+        launched = self._launch(out, outputs) if not out.is_empty else None
+        if self.async_scheduling:
+            completed, self._in_flight = self._in_flight, launched
+        else:
+            completed = launched
         executed = time.perf_counter()
-        if sampled is not None:
-            outputs = self.scheduler.update(out, sampled)
+        if completed is not None:
+            outputs += self._finish(*completed)
         end = time.perf_counter()
-        is_decode = all(s.num_new_tokens == 1 and s.samples for s in out.requests)
+        done = completed[0] if completed is not None else SchedulerOutput()
         return StepReport(
             outputs,
-            len(out.requests),
-            out.num_tokens,
-            is_decode,
+            len(done.requests),
+            done.num_tokens,
+            bool(done.requests) and all(s.num_new_tokens == 1 and s.samples for s in done.requests),
             end - start,
             schedule_s=scheduled - start,
             execute_s=executed - scheduled,
             update_s=end - executed,
         )
+
+    def _launch(self, out: SchedulerOutput, outputs: list[RequestOutput]) -> tuple[SchedulerOutput, Any] | None:
+        self.num_steps += 1
+        try:
+            return out, self.runner.launch(out)
+        except EncoderError as failure:
+            logger.warning("vision encoder rejected items: %s", failure.message)
+            failed = {
+                s.request.request_id
+                for s in out.requests
+                if any(m.content_hash in failure.content_hashes for m in s.request.mm_inputs)
+            }
+            outputs += self._fail(sorted(failed), InvalidRequestError(failure.message))
+            self.scheduler.rewind(out, {s.request.request_id for s in out.requests} - failed)
+        except Exception as exc:
+            outputs += self._fail_step(out, exc)
+        return None
+
+    def _finish(self, out: SchedulerOutput, launched: Any) -> list[RequestOutput]:
+        try:
+            sampled = self.runner.finish(launched)
+        except Exception as exc:
+            return self._fail_step(out, exc)
+        return self.scheduler.update(out, sampled)
+
+    def _fail_step(self, out: SchedulerOutput, exc: Exception) -> list[RequestOutput]:
+        logger.error("step failed; ending its %d requests", len(out.requests), exc_info=exc)
+        error = EngineError(f"the engine step failed: {type(exc).__name__}: {exc}")
+        return self._fail([s.request.request_id for s in out.requests], error)
 
     def _fail(self, request_ids: list[str], error: EngineError) -> list[RequestOutput]:
         outputs = []

@@ -14,7 +14,7 @@ import torch
 
 from m3stack.engine.attention.metadata import AttentionMetadata
 from m3stack.engine.runtime.encoder_cache import EncoderCache
-from m3stack.engine.runtime.request import Request
+from m3stack.engine.runtime.request import PLACEHOLDER_TOKEN, Request
 from m3stack.engine.runtime.scheduler import SchedulerOutput
 
 
@@ -32,6 +32,9 @@ class HostInputs:
     sampling_requests: list[Request]
     mm_rows: np.ndarray  # [M] int64 rows receiving vision embeddings
     mm_slices: list[tuple[str, torch.Tensor]]  # (content hash, boolean mask over the item's embeddings), in row order
+    # Rows whose token a step in flight is still sampling (async scheduling), and whose request each is.
+    placeholder_rows: np.ndarray  # [P] int64
+    placeholder_requests: list[str]
 
 
 @dataclass
@@ -79,6 +82,8 @@ def build_host_inputs(out: SchedulerOutput, block_size: int) -> HostInputs:
         page_table[request_of_token, positions // block_size].astype(np.int64) * block_size + positions % block_size
     )
 
+    placeholder_rows = np.flatnonzero(input_ids == PLACEHOLDER_TOKEN)
+    placeholder_requests = [scheduled[r].request.request_id for r in request_of_token[placeholder_rows]]
     sampling = [r for r, item in enumerate(scheduled) if item.samples]
     mm_rows: list[np.ndarray] = []
     mm_slices: list[tuple[str, torch.Tensor]] = []
@@ -103,6 +108,8 @@ def build_host_inputs(out: SchedulerOutput, block_size: int) -> HostInputs:
         sampling_requests=[scheduled[r].request for r in sampling],
         mm_rows=np.concatenate(mm_rows) if mm_rows else np.empty(0, dtype=np.int64),
         mm_slices=mm_slices,
+        placeholder_rows=placeholder_rows,
+        placeholder_requests=placeholder_requests,
     )
 
 

@@ -126,14 +126,15 @@ class KVCacheManager:
             ids = self._block_ids[request_id] = grown
         ids[before : len(held)] = [block.block_id for block in held[before:]]
 
-    def publish_computed_blocks(self, request: Request) -> None:
-        """Enter the request's full, computed blocks into the prefix cache."""
+    def publish_computed_blocks(self, request: Request, num_computed: int) -> None:
+        """Enter the request's full blocks among its first ``num_computed`` (written) tokens into the prefix cache."""
         if not self.enable_prefix_caching:
             return
         held = self._blocks.get(request.request_id)
         if not held:
             return
-        num_full = min(request.num_computed_tokens // self.block_size, len(held))
+        num_full = min(num_computed, request.num_known_tokens) // self.block_size
+        num_full = min(num_full, len(held))
         start = self._num_published[request.request_id]
         if num_full <= start:
             return

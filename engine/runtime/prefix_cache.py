@@ -49,8 +49,11 @@ def overlapping_mm_hashes(mm_inputs: Sequence[MultimodalInput], start: int, end:
 
 
 def extend_block_hashes(request: Request, block_size: int) -> None:
-    """Append the hashes of the request's newly completed full blocks to ``request.block_hashes``."""
-    num_full_blocks = request.num_tokens // block_size
+    """Append the hashes of the request's newly completed full blocks to ``request.block_hashes``.
+
+    Only blocks whose every token is known count: a placeholder (a token still being sampled) is not hashed.
+    """
+    num_full_blocks = request.num_known_tokens // block_size
     hashes = request.block_hashes
     parent = hashes[-1] if hashes else ROOT_HASH
     for index in range(len(hashes), num_full_blocks):

@@ -17,6 +17,8 @@ from m3stack.engine.runtime.errors import InvalidRequestError
 
 # OpenAI's limit on top_logprobs; it also bounds the per-step top-k work in the sampler.
 MAX_TOP_LOGPROBS = 20
+# Stands for a token that a step in flight will sample (async scheduling); never a real token id.
+PLACEHOLDER_TOKEN = -1
 
 
 class RequestStatus(enum.Enum):
@@ -29,7 +31,16 @@ class RequestStatus(enum.Enum):
 
 
 _ALLOWED_TRANSITIONS: dict[RequestStatus, frozenset[RequestStatus]] = {
-    RequestStatus.WAITING: frozenset({RequestStatus.ENCODING, RequestStatus.PREFILLING, RequestStatus.ABORTED}),
+    # A resumed request whose cached prefix covers its whole prompt goes straight back to DECODING.
+    RequestStatus.WAITING: frozenset(
+        {
+            RequestStatus.ENCODING,
+            RequestStatus.PREFILLING,
+            RequestStatus.DECODING,
+            RequestStatus.FINISHED,
+            RequestStatus.ABORTED,
+        }
+    ),
     # A short prompt can be encoded and fully prefilled in one step, so ENCODING may go straight to DECODING.
     RequestStatus.ENCODING: frozenset(
         {
@@ -214,6 +225,8 @@ class Request:
         # Prompt tokens found in the prefix cache when first admitted (reported as cached_tokens).
         self.num_cached_tokens: int | None = None
         self.num_preemptions = 0
+        # Trailing placeholders in token_ids: tokens scheduled steps will sample (at most one per step in flight).
+        self.num_pending_tokens = 0
         # Prefix-cache hash chain of every full block of token_ids (see prefix_cache.py).
         self.block_hashes: list[bytes] = []
         self.generator: torch.Generator | None = None  # per-request RNG when a seed is given
@@ -226,11 +239,22 @@ class Request:
 
     @property
     def num_output_tokens(self) -> int:
+        """Generated tokens, counting those still being sampled."""
         return len(self.token_ids) - self.num_prompt_tokens
 
     @property
+    def num_generated_tokens(self) -> int:
+        """Generated tokens whose ids are known (what the client has been sent, stop tokens included)."""
+        return len(self.token_ids) - self.num_pending_tokens - self.num_prompt_tokens
+
+    @property
+    def num_known_tokens(self) -> int:
+        """Tokens whose ids are known (the placeholders excluded)."""
+        return len(self.token_ids) - self.num_pending_tokens
+
+    @property
     def output_token_ids(self) -> list[int]:
-        return self.token_ids[self.num_prompt_tokens :]
+        return self.token_ids[self.num_prompt_tokens : self.num_known_tokens]
 
     @property
     def is_finished(self) -> bool:
@@ -241,8 +265,17 @@ class Request:
         """Tokens still missing from the cache: the prompt remainder, or the last sampled token."""
         return self.num_tokens - self.num_computed_tokens
 
-    def append_output_token(self, token_id: int) -> None:
-        self.token_ids.append(token_id)
+    def append_placeholder(self) -> None:
+        """Reserve the position of the token the step being scheduled will sample."""
+        self.token_ids.append(PLACEHOLDER_TOKEN)
+        self.num_pending_tokens += 1
+
+    def resolve_placeholder(self, token_id: int) -> None:
+        """Fill the oldest placeholder with the token its step sampled."""
+        if not self.num_pending_tokens:
+            raise RuntimeError(f"{self}: a sampled token arrived for no pending position")
+        self.token_ids[len(self.token_ids) - self.num_pending_tokens] = token_id
+        self.num_pending_tokens -= 1
 
     # --- state machine --------------------------------------------------------------------------
 
@@ -254,6 +287,9 @@ class Request:
         self.status = new_status
 
     def finish(self, reason: FinishReason, stop_token_id: int | None = None) -> None:
+        """End the request; placeholders of steps still in flight are dropped with it."""
+        del self.token_ids[self.num_known_tokens :]
+        self.num_pending_tokens = 0
         self.transition(RequestStatus.ABORTED if reason is FinishReason.ABORT else RequestStatus.FINISHED)
         self.finish_reason = reason
         self.stop_token_id = stop_token_id

@@ -3,6 +3,11 @@
 The scheduler decided everything; the runner only turns it into tensors (``inputs.py``), runs the
 model, and samples on the device.  Pure-decode batches replay a captured CUDA graph when one fits
 (``cuda_graphs.py``); everything else runs eagerly.
+
+``launch`` enqueues a step's device work and returns at once; ``finish`` waits for its sampled
+tokens.  Between the two the host can schedule and launch the next step (async scheduling): that
+step's inputs may hold placeholders for tokens the previous step is still sampling, and the runner
+fills them on the device from the previous step's output, so the host never waits for them.
 """
 
 import logging
@@ -17,8 +22,8 @@ from m3stack.engine.runtime.cuda_graphs import DecodeGraphs
 from m3stack.engine.runtime.encoder_cache import EncoderCache
 from m3stack.engine.runtime.engine_core import EncoderError
 from m3stack.engine.runtime.inputs import HostInputs, build_host_inputs, to_device
-from m3stack.engine.runtime.request import Modality, MultimodalInput, SampledToken
-from m3stack.engine.runtime.sampler import build_sampling_batch, sample_on_device
+from m3stack.engine.runtime.request import Modality, MultimodalInput, Request, SampledToken
+from m3stack.engine.runtime.sampler import DeviceSample, SamplingBatch, build_sampling_batch, sample_on_device
 from m3stack.engine.runtime.scheduler import SchedulerOutput
 
 logger = logging.getLogger(__name__)
@@ -51,6 +56,17 @@ class RunnerTiming:
     gpu_s: float = 0.0  # device: from the forward launch to the end of sampling (CUDA events)
 
 
+@dataclass
+class LaunchedStep:
+    """A step whose device work is enqueued; ``ModelRunner.finish`` collects its tokens."""
+
+    sampling_requests: list[Request]
+    batch: SamplingBatch | None
+    sample: DeviceSample | None
+    prepare_s: float
+    events: tuple[torch.cuda.Event, torch.cuda.Event] | None
+
+
 class ModelRunner:
     def __init__(
         self,
@@ -77,25 +93,52 @@ class ModelRunner:
         # Per-step timing with CUDA events (benchmarks); off by default, it costs two event records.
         self.timing = False
         self.last_timing = RunnerTiming()
+        # The last launched step's sampled tokens on the device, and the row of each request in them.
+        self._previous_tokens: torch.Tensor | None = None
+        self._previous_rows: dict[str, int] = {}
+
+    def execute(self, out: SchedulerOutput) -> dict[str, SampledToken]:
+        """Run a step to completion (launch, then finish)."""
+        return self.finish(self.launch(out))
 
     @torch.inference_mode()
-    def execute(self, out: SchedulerOutput) -> dict[str, SampledToken]:
+    def launch(self, out: SchedulerOutput) -> LaunchedStep:
         start = time.perf_counter()
         self._encode(out.encoder_items)
         host = build_host_inputs(out, self.block_size)
         events = self._events()
         logits, prepare_s = self._forward(host, start, events[0] if events else None)
         if not host.sampling_requests:
-            return {}
+            return LaunchedStep([], None, None, prepare_s, None)
         batch = build_sampling_batch(host.sampling_requests, self.vocab_size, self.device)
         on_device = sample_on_device(logits, batch)
         if events:
             events[1].record()
-        tokens = on_device.to_host(batch)
+        self._previous_tokens = on_device.token_ids
+        self._previous_rows = {request.request_id: row for row, request in enumerate(host.sampling_requests)}
+        return LaunchedStep(host.sampling_requests, batch, on_device, prepare_s, events)
+
+    def finish(self, step: LaunchedStep) -> dict[str, SampledToken]:
+        """Wait for a launched step's tokens (the one synchronization of a step)."""
+        if step.sample is None or step.batch is None:
+            return {}
+        tokens = step.sample.to_host(step.batch)
         if self.timing:
-            gpu_s = events[0].elapsed_time(events[1]) / 1e3 if events else 0.0
-            self.last_timing = RunnerTiming(prepare_s, gpu_s)
-        return {request.request_id: token for request, token in zip(host.sampling_requests, tokens, strict=True)}
+            gpu_s = step.events[0].elapsed_time(step.events[1]) / 1e3 if step.events else 0.0
+            self.last_timing = RunnerTiming(step.prepare_s, gpu_s)
+        return {request.request_id: token for request, token in zip(step.sampling_requests, tokens, strict=True)}
+
+    def _fill_placeholders(self, input_ids: torch.Tensor, host: HostInputs) -> None:
+        """Write the tokens the previous step sampled into the rows that stand for them (on the device)."""
+        if not len(host.placeholder_rows):
+            return
+        try:
+            sources = [self._previous_rows[request_id] for request_id in host.placeholder_requests]
+        except KeyError as missing:
+            raise RuntimeError(f"request {missing} has a placeholder the previous step did not sample") from None
+        assert self._previous_tokens is not None
+        rows = torch.from_numpy(host.placeholder_rows).to(self.device, non_blocking=True)
+        input_ids[rows] = self._previous_tokens[torch.tensor(sources, device=self.device)]
 
     def _forward(
         self, host: HostInputs, start: float, launched: torch.cuda.Event | None
@@ -107,6 +150,7 @@ class ModelRunner:
         if self.decode_graphs is not None and not host.mm_slices:
             size = self.decode_graphs.prepare(host)
             if size is not None:
+                self._fill_placeholders(self.decode_graphs.buffers.input_ids, host)
                 self.num_graph_steps += 1
                 prepare_s = time.perf_counter() - start
                 if launched is not None:
@@ -114,6 +158,7 @@ class ModelRunner:
                 return self.decode_graphs.replay(size, len(host.seq_lens)), prepare_s
         self.num_eager_steps += 1
         inputs = to_device(host, self.block_size, self.device, self.encoder_cache)
+        self._fill_placeholders(inputs.input_ids, host)
         self.backend.begin_step(inputs.metadata)
         prepare_s = time.perf_counter() - start
         if launched is not None:

@@ -47,7 +47,8 @@ def build_sampling_batch(requests: Sequence[Request], vocab_size: int, device: t
     banned_rows: list[int] = []
     banned_tokens: list[int] = []
     for row, request in enumerate(requests):
-        if request.num_output_tokens < params[row].min_new_tokens:
+        # num_output_tokens counts the placeholder being sampled: the tokens before it are one fewer.
+        if request.num_output_tokens - 1 < params[row].min_new_tokens:
             stops = sorted(request.eos_token_ids | params[row].stop_token_ids)
             banned_rows += [row] * len(stops)
             banned_tokens += stops

@@ -13,6 +13,12 @@ KV pressure:
   yet this step (highest ``priority`` value, then newest) is preempted by recompute: its blocks are
   freed (their cached content usually survives for the resume) and it rejoins the waiting queue.
 - No request is admitted in a step that preempted one.
+
+Progress is booked when a step is scheduled, not when it ran: ``num_computed_tokens`` advances and
+a sampling request gets a placeholder for the token the step will sample.  So the next step can be
+scheduled while this one runs on the GPU (async scheduling); ``update`` later fills the
+placeholders, publishes the blocks the step wrote and finishes requests.  A request that finishes
+on a stop token is discovered one step late there, and its extra step's token is dropped.
 """
 
 import logging
@@ -63,11 +69,14 @@ class ScheduledRequest:
     start: int
     num_new_tokens: int
     block_ids: np.ndarray  # the request's page table (int32 block ids) at scheduling time
-    # The chunk reaches the last known token, so the step samples the request's next token.
+    # The chunk reaches the request's last token, so the step samples the next one (into a placeholder).
     samples: bool = field(init=False)
+    # request.num_preemptions when scheduled: a later preemption makes this step's KV moot.
+    epoch: int = field(init=False)
 
     def __post_init__(self) -> None:
         self.samples = self.start + self.num_new_tokens == self.request.num_tokens
+        self.epoch = self.request.num_preemptions
 
 
 @dataclass
@@ -149,6 +158,9 @@ class Scheduler:
         index = 0
         while index < len(self.running) and budget.tokens > 0:
             request = self.running[index]
+            if request.num_pending_tokens and self._ends_with_pending_token(request):
+                index += 1  # its last token is being sampled; update() finishes it
+                continue
             start = request.num_computed_tokens
             num_new = self._fit_encoder(request, start, min(request.num_tokens_to_compute, budget.tokens), budget)
             if num_new == 0:
@@ -172,11 +184,30 @@ class Scheduler:
         out.encoder_items = [item for key, item in budget.encode.items() if key in self.encoder_cache]
         for item in out.requests:
             request = item.request
+            request.num_computed_tokens = item.start + item.num_new_tokens
+            if item.samples:
+                request.append_placeholder()
             if budget.encode and any(mm.content_hash in budget.encode for mm in request.mm_inputs):
                 request.transition(RequestStatus.ENCODING)
-            elif request.status in (RequestStatus.WAITING, RequestStatus.ENCODING):
+            elif item.start >= request.num_prompt_tokens:
+                request.transition(RequestStatus.DECODING)
+            else:
                 request.transition(RequestStatus.PREFILLING)
         return out
+
+    def _ends_with_pending_token(self, request: Request) -> bool:
+        return request.num_output_tokens >= request.max_tokens or request.num_tokens >= self.config.max_model_len
+
+    def rewind(self, out: SchedulerOutput, request_ids: set[str]) -> None:
+        """Undo the booking of a step that never ran for these requests (they are scheduled again next step)."""
+        for item in out.requests:
+            request = item.request
+            if request.request_id not in request_ids or request.is_finished or request.num_preemptions != item.epoch:
+                continue
+            request.num_computed_tokens = item.start
+            if item.samples:
+                request.token_ids.pop()
+                request.num_pending_tokens -= 1
 
     def _admit_waiting(self, out: SchedulerOutput, budget: _StepBudget) -> None:
         if not self.waiting:
@@ -184,6 +215,8 @@ class Scheduler:
         for request in self._waiting_order():
             if len(self.running) >= self.config.max_num_seqs or budget.tokens <= 0:
                 break
+            if request.num_pending_tokens:
+                continue  # preempted while a step sampled for it: readmitted once that token is known
             cached_prefix = self.kv.find_cached_prefix(request)
             num_cached = len(cached_prefix) * self.kv.block_size
             whole_context = self.kv.num_new_blocks(request, request.num_tokens - num_cached, cached_prefix)
@@ -196,7 +229,7 @@ class Scheduler:
                 break
             if not self.kv.allocate(request, num_new, cached_prefix):  # cannot fail after the check above
                 raise RuntimeError(f"{request}: allocation failed after the capacity check")
-            request.num_computed_tokens = num_cached
+            request.num_computed_tokens = num_cached  # the chunk itself is booked at the end of schedule()
             if request.num_cached_tokens is None:
                 request.num_cached_tokens = num_cached
                 self.kv.record_prefix_lookup(request.num_prompt_tokens, num_cached)
@@ -269,27 +302,32 @@ class Scheduler:
     # --- results --------------------------------------------------------------------------------
 
     def update(self, out: SchedulerOutput, sampled: dict[str, SampledToken]) -> list[RequestOutput]:
-        """Apply a finished step: advance progress, publish blocks, append sampled tokens, finish requests."""
+        """Apply a step that ran: publish the blocks it wrote, fill its placeholders, finish requests.
+
+        Tolerates what happened since the step was scheduled: requests aborted meanwhile are skipped;
+        a request preempted meanwhile keeps its sampled token (computed from intact KV) but publishes
+        nothing (its blocks are gone).
+        """
         outputs = []
         for scheduled in out.requests:
             request = scheduled.request
             if request.is_finished:
                 continue
-            request.num_computed_tokens = scheduled.start + scheduled.num_new_tokens
-            self.kv.publish_computed_blocks(request)
-            if request.mm_inputs:
-                for item in request.mm_inputs:
-                    if item.last_embed < request.num_computed_tokens:
-                        self.encoder_cache.release(item.content_hash, request.request_id)
-            if not scheduled.samples:
-                request.transition(RequestStatus.PREFILLING)
-                continue
-            request.transition(RequestStatus.DECODING)
-            outputs.append(self._append_token(request, sampled[request.request_id]))
+            written = scheduled.start + scheduled.num_new_tokens
+            if request.num_preemptions == scheduled.epoch:
+                self.kv.publish_computed_blocks(request, written)
+                if request.mm_inputs:
+                    for item in request.mm_inputs:
+                        if item.last_embed < written:
+                            self.encoder_cache.release(item.content_hash, request.request_id)
+            if scheduled.samples:
+                outputs.append(self._apply_token(request, sampled[request.request_id]))
         return outputs
 
-    def _append_token(self, request: Request, token: SampledToken) -> RequestOutput:
-        request.append_output_token(token.token_id)
+    def _apply_token(self, request: Request, token: SampledToken) -> RequestOutput:
+        request.resolve_placeholder(token.token_id)
+        if request.status is not RequestStatus.WAITING:
+            request.transition(RequestStatus.DECODING)
         reason, stop_token = self._stop_reason(request, token.token_id)
         output = RequestOutput(request.request_id)
         if reason is not FinishReason.STOP:  # a stop token never reaches the client as text
@@ -298,21 +336,25 @@ class Scheduler:
                 output.new_logprobs.append(token.logprob)
             if token.top_token_ids is not None and token.top_logprobs is not None:
                 output.new_top_logprobs.append((token.top_token_ids, token.top_logprobs))
-        _fill_counts(output, request)
         if reason is not None:
-            self.running.remove(request)
+            if request.status is RequestStatus.WAITING:
+                self.waiting.remove(request)
+            else:
+                self.running.remove(request)
             request.finish(reason, stop_token)
             self._release(request)
             output.finish_reason = reason
             output.stop_token_id = stop_token
+        _fill_counts(output, request)
         return output
 
     def _stop_reason(self, request: Request, token_id: int) -> tuple[FinishReason | None, int | None]:
         sampling = request.sampling
+        generated = request.num_generated_tokens
         stops = token_id in request.eos_token_ids or token_id in sampling.stop_token_ids
-        if stops and request.num_output_tokens > sampling.min_new_tokens:
+        if stops and generated > sampling.min_new_tokens:
             return FinishReason.STOP, token_id
-        if request.num_output_tokens >= request.max_tokens or request.num_tokens >= self.config.max_model_len:
+        if generated >= request.max_tokens or request.num_known_tokens >= self.config.max_model_len:
             return FinishReason.LENGTH, None
         return None, None
 
@@ -334,7 +376,7 @@ class Scheduler:
 
 def _fill_counts(output: RequestOutput, request: Request) -> None:
     output.num_prompt_tokens = request.num_prompt_tokens
-    output.num_output_tokens = request.num_output_tokens
+    output.num_output_tokens = request.num_generated_tokens
     output.num_cached_tokens = request.num_cached_tokens or 0
 
 

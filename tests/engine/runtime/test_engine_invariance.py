@@ -30,9 +30,12 @@ def generate(
     stagger: int = 0,
     max_new_tokens: int = NEW_TOKENS,
     mm: dict[str, list[MultimodalSpec]] | None = None,
+    stop_token_ids: frozenset[int] = frozenset(),
 ) -> dict[str, list[int]]:
     """Greedy tokens per request id; with ``stagger`` > 0 request i arrives i * stagger steps late."""
-    sampling = SamplingParams(temperature=0.0, max_new_tokens=max_new_tokens, ignore_eos=True)
+    sampling = SamplingParams(
+        temperature=0.0, max_new_tokens=max_new_tokens, ignore_eos=True, stop_token_ids=stop_token_ids
+    )
     requests = [
         build_request(core.info, rid, prompt, sampling, mm_items=(mm or {}).get(rid, ()))
         for rid, prompt in prompts.items()
@@ -108,4 +111,20 @@ def test_preemption_by_recompute_gives_the_same_tokens(build_core):
     roomy = generate(build_core(), prompts, max_new_tokens=30)
     tight = build_core(num_kv_blocks=14, max_model_len=80, max_num_batched_tokens=64)
     assert generate(tight, prompts, max_new_tokens=30) == roomy
+    assert tight.scheduler.num_preemptions > 0
+
+
+def test_async_scheduling_gives_the_same_tokens(build_core):
+    """One step in flight: inputs take the previous step's tokens on the device, stops are seen a step late."""
+    prompts = {f"r{i}": _prompt(70 + i, 15 + 23 * i) for i in range(4)}
+    sync = generate(build_core(max_num_batched_tokens=40), prompts, stagger=2, max_new_tokens=16)
+    assert generate(build_core(max_num_batched_tokens=40, async_scheduling=True), prompts, stagger=2,
+                    max_new_tokens=16) == sync  # fmt: skip
+    stop = sync["r1"][5]  # a token the model really produces: requests that meet it stop there
+    with_stop = generate(build_core(), prompts, max_new_tokens=16, stop_token_ids=frozenset({stop}))
+    assert with_stop["r1"] == sync["r1"][: sync["r1"].index(stop)]
+    assert generate(build_core(async_scheduling=True), prompts, max_new_tokens=16,
+                    stop_token_ids=frozenset({stop})) == with_stop  # fmt: skip
+    tight = build_core(num_kv_blocks=10, max_model_len=112, max_num_batched_tokens=64, async_scheduling=True)
+    assert generate(tight, prompts, max_new_tokens=16) == generate(build_core(), prompts, max_new_tokens=16)
     assert tight.scheduler.num_preemptions > 0

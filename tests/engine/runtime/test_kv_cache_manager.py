@@ -10,7 +10,7 @@ def _run_prefill(manager: KVCacheManager, request) -> None:
     cached = manager.find_cached_prefix(request)
     assert manager.allocate(request, request.num_tokens - len(cached) * BLOCK, cached)
     request.num_computed_tokens = request.num_tokens
-    manager.publish_computed_blocks(request)
+    manager.publish_computed_blocks(request, request.num_tokens)
 
 
 def test_a_published_prefix_is_found_by_a_later_request(new_request):
@@ -37,7 +37,7 @@ def test_nothing_is_shared_before_publication(new_request):
     # Allocated but not computed yet: another request must not read these pages.
     assert manager.find_cached_prefix(new_request(list(range(13)))) == []
     first.num_computed_tokens = 8  # a first chunk ran
-    manager.publish_computed_blocks(first)
+    manager.publish_computed_blocks(first, 8)
     assert len(manager.find_cached_prefix(new_request(list(range(13))))) == 2
 
 

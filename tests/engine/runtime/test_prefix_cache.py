@@ -66,6 +66,7 @@ def test_hashes_extend_as_tokens_are_generated(new_request):
     request = new_request(_tokens(6, 4))
     assert len(_hashes(request)) == 1
     for token in (11, 12):
-        request.append_output_token(token)
+        request.append_placeholder()
+        request.resolve_placeholder(token)
     whole = new_request(request.token_ids)
     assert _hashes(request) == _hashes(whole) and len(whole.block_hashes) == 2

@@ -100,12 +100,11 @@ def test_min_new_tokens_masks_eos_and_stop_ids_until_reached(new_request):
     logits[0, 4] = 9.0  # then a stop id
     params = SamplingParams(temperature=0.0, min_new_tokens=2, stop_token_ids=frozenset({4}))
     request = new_request([1], sampling=params, eos=frozenset({3}))
-    batch = build_sampling_batch([request], VOCAB, torch.device("cpu"))
-    assert sample(logits.clone(), batch)[0].token_id not in (3, 4)
-    request.append_output_token(0)
-    request.append_output_token(0)
-    batch = build_sampling_batch([request], VOCAB, torch.device("cpu"))
-    assert sample(logits.clone(), batch)[0].token_id == 3
+    for step in range(3):  # as the scheduler does: a placeholder for the token being sampled
+        request.append_placeholder()
+        token = sample(logits.clone(), build_sampling_batch([request], VOCAB, torch.device("cpu")))[0].token_id
+        assert (token == 3) is (step == 2), (step, token)  # tokens 1 and 2 must not stop, token 3 may
+        request.resolve_placeholder(token)
 
 
 def test_logprobs_and_top_logprobs_are_the_model_distribution(new_request):

@@ -121,7 +121,7 @@ def test_admission_needs_room_for_the_whole_prompt_not_just_the_first_chunk(new_
 
 def test_preemption_by_recompute_keeps_generated_tokens_and_blocks_admission(new_request):
     def counting(request):
-        return 10 + request.num_output_tokens
+        return 10 + request.num_generated_tokens
 
     scheduler = make_scheduler(num_blocks=7, max_model_len=32)  # 6 usable blocks
     first = new_request(list(range(8)), max_tokens=12)
@@ -224,8 +224,10 @@ def test_the_encoder_runs_once_per_content_and_chunks_read_its_cache(new_request
     assert [i.content_hash for i in out.encoder_items] == ["img"] and first.status is RequestStatus.ENCODING
     scheduler.encoder_cache.put("img", torch.zeros(6, 2))  # what the runner's encoder step does
     scheduler.update(out, {})
-    assert first.status is RequestStatus.PREFILLING
-    step(scheduler)
+    out = scheduler.schedule()  # chunk [16, 20): text only, from the cache
+    assert out.encoder_items == [] and first.status is RequestStatus.PREFILLING
+    scheduler.update(out, {first.request_id: SampledToken(1)})
+    assert first.status is RequestStatus.DECODING
     second = new_request([*range(5), 99], mm_inputs=[new_image("img", range(0, 6))], max_tokens=1)
     scheduler.add_request(second)
     out, _ = step(scheduler)
@@ -282,3 +284,88 @@ def test_the_thrash_guard_preempts_no_request_twice_under_sustained_pressure(new
     # Without the whole-context admission rule and the no-admission-while-preempting rule, the newest
     # requests are admitted and preempted again and again (3 times here).
     assert max(r.num_preemptions for r in requests) <= 1
+
+
+def _token_at(request, position: int) -> int:
+    """A token that depends only on the request and the position it is sampled for (0 is EOS now and then)."""
+    return (hash((request.request_id, position)) % 97) * (position % 13 != 7)
+
+
+def _drive(scheduler: Scheduler, arrivals: dict[int, list], aborts: dict[int, list[str]], pipelined: bool) -> dict:
+    """Run to completion; with ``pipelined`` step N+1 is scheduled before step N is applied (async scheduling)."""
+    results, in_flight, tick = {}, None, 0
+    while tick in arrivals or tick <= max(arrivals) or scheduler.has_work or in_flight:
+        for request in arrivals.get(tick, []):
+            scheduler.add_request(request)
+        for request_id in aborts.get(tick, []):
+            scheduler.abort_request(request_id, "test")
+        out = scheduler.schedule()
+        sampled = {s.request.request_id: SampledToken(_token_at(s.request, s.start + s.num_new_tokens))
+                   for s in out.requests if s.samples}  # fmt: skip
+        if pipelined:
+            applied, in_flight = in_flight, ((out, sampled) if out.requests else None)
+        else:
+            applied = (out, sampled)
+        if applied is not None:
+            for output in scheduler.update(*applied):
+                entry = results.setdefault(output.request_id, [[], None])
+                entry[0] += output.new_token_ids
+                if output.finished:
+                    entry[1] = (output.finish_reason, output.stop_token_id, output.num_output_tokens)
+        scheduler.check_invariants()
+        tick += 1
+        assert tick < 2000, "did not drain"
+    assert scheduler.kv.num_free_blocks == scheduler.kv.pool.num_usable_blocks
+    return results
+
+
+def test_pipelined_scheduling_gives_the_same_results_as_step_by_step(new_request):
+    def traffic():
+        rng = random.Random(11)
+        arrivals, aborts = {}, {}
+        for index in range(40):
+            prompt = [rng.randrange(1, 300) for _ in range(rng.randrange(1, 30))]
+            request = new_request(prompt, request_id=f"q{index}", max_tokens=rng.randrange(1, 20), eos=frozenset({0}),
+                                  priority=rng.choice([0, 1]))  # fmt: skip
+            arrivals.setdefault(rng.randrange(60), []).append(request)
+            if index % 9 == 4:
+                aborts.setdefault(rng.randrange(60), []).append(request.request_id)
+        return arrivals, aborts
+
+    runs = {}
+    for pipelined in (False, True):
+        scheduler = make_scheduler(num_blocks=40, max_model_len=48, max_num_seqs=6, max_num_batched_tokens=20)
+        runs[pipelined] = _drive(scheduler, *traffic(), pipelined=pipelined)
+    aborted = {rid for rid, (_, end) in runs[False].items() if end and end[0] is FinishReason.ABORT}
+    aborted |= {rid for rid, (_, end) in runs[True].items() if end and end[0] is FinishReason.ABORT}
+    completed = set(runs[False]) - aborted
+    assert len(completed) > 25
+    assert any(runs[False][rid][1][0] is FinishReason.STOP for rid in completed), "no stop token was exercised"
+    for rid in completed:
+        assert runs[True][rid] == runs[False][rid], rid
+
+
+def test_a_request_preempted_while_its_step_is_in_flight_keeps_that_token(new_request):
+    scheduler = make_scheduler(num_blocks=7, max_model_len=32)  # 6 usable blocks
+    first = new_request(list(range(8)), max_tokens=12)
+    second = new_request(list(range(20, 28)), max_tokens=12)
+    scheduler.add_request(first)
+    scheduler.add_request(second)
+    in_flight = None
+    for _ in range(30):
+        out = scheduler.schedule()
+        if out.preempted_ids:
+            break
+        sampled = {s.request.request_id: SampledToken(len(s.request.token_ids)) for s in out.requests if s.samples}
+        if in_flight is not None:
+            scheduler.update(*in_flight)
+        in_flight = (out, sampled)
+        scheduler.check_invariants()
+    assert out.preempted_ids == [second.request_id]
+    # The step in flight samples a token for the request just preempted: it is kept, not recomputed.
+    assert second.status is RequestStatus.WAITING and second.num_pending_tokens == 1
+    expected = in_flight[1][second.request_id].token_id
+    scheduler.update(*in_flight)
+    assert second.num_pending_tokens == 0 and second.output_token_ids[-1] == expected
+    assert second.num_computed_tokens == 0 and scheduler.kv.num_held_blocks(second.request_id) == 0
+    scheduler.check_invariants()

@@ -98,4 +98,5 @@ def make_server(tiny_model_dir) -> Iterator[Callable[..., ServerThread]]:
 
 @pytest.fixture(scope="module")
 def server(make_server) -> ServerThread:
-    return make_server(max_num_seqs=40, max_model_len=512)
+    # Async scheduling (one step in flight), as on GPUs, so the streaming/abort paths run against it too.
+    return make_server(max_num_seqs=40, max_model_len=512, async_scheduling=True)
