@@ -66,8 +66,10 @@ REQUIRED_RULES: tuple[Rule, ...] = (
     # kopf patches its progress annotations on the resources it serves; status is written separately.
     Rule(GROUP, (PLURAL,), ("get", "list", "patch", "watch")),
     Rule(GROUP, (f"{PLURAL}/status",), ("get", "patch")),
-    # kopf watches CRDs to learn when the resource it serves is installed.
+    # kopf watches CRDs to learn when the resource it serves is installed, and namespaces to
+    # resolve --namespace (cluster-scoped reads, the only ones).
     Rule("apiextensions.k8s.io", ("customresourcedefinitions",), ("list", "watch")),
+    Rule("", ("namespaces",), ("list", "watch")),
     *_child_rules(),
     # Pods explain why a component is not ready (unschedulable, image pull, model loading).
     Rule("", ("pods",), ("list", "watch")),

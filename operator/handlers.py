@@ -1,10 +1,11 @@
 """kopf wiring: which events lead to a reconcile and which only to a status refresh.
 
-- M3Deployment created, updated or found at start-up (resume): reconcile.
-- A child deleted (someone removed it, or a node drain ate a PDB...): reconcile its owner, which
-  recreates it.
-- A child Deployment or one of its pods changed: refresh the owner's status (readiness counts,
-  InsufficientCapacity, ModelLoading...).
+- M3Deployment created, updated or found at start-up (resume): reconcile, in kopf's handler (so
+  kopf retries it until it succeeds).
+- A child deleted (someone removed it): the work queue reconciles its owner, which recreates it.
+- A child Deployment changed, or a pod shows a problem (unschedulable, image pull, crash loop,
+  model loading): the work queue refreshes the owner's status.  Pods that simply become ready are
+  left to their Deployment's event, which follows.
 
 No handler needs a finalizer: children are garbage-collected through their owner references, and
 the drift loop (``runner.py``) is one task for all resources instead of a kopf timer per resource
@@ -19,15 +20,19 @@ from typing import Any
 import kopf
 
 from m3stack.operator.apply import PLURALS, POD, ApiError
-from m3stack.operator.crd import API_VERSION, GROUP, KIND, PLURAL
+from m3stack.operator.crd import API_VERSION, GROUP, PLURAL
 from m3stack.operator.reconcile import Reconciler
 from m3stack.operator.render import ALL_CHILD_KINDS, DEPLOYMENT, ChildKind
-from m3stack.operator.render.names import DEPLOYMENT_LABEL, MANAGED_BY_LABEL, OPERATOR_NAME
+from m3stack.operator.render.names import COMPONENT_LABEL, DEPLOYMENT_LABEL, ENGINE, MANAGED_BY_LABEL, OPERATOR_NAME
+from m3stack.operator.status import pod_problem
+from m3stack.operator.workqueue import Work, WorkQueue
 
 logger = logging.getLogger(__name__)
 
 # Retry a failed reconcile after this long (kopf retries until it succeeds; the drift loop also does).
 RETRY_DELAY_SECONDS = 15
+# Status refreshes wait this long for more events of the same resource (a rollout sends several).
+REFRESH_DELAY_SECONDS = 0.5
 MANAGED_SELECTOR = f"{MANAGED_BY_LABEL}={OPERATOR_NAME}"
 WATCHED_CHILD_KINDS = (*ALL_CHILD_KINDS, POD)
 
@@ -70,7 +75,7 @@ def configure_settings(settings: kopf.OperatorSettings) -> None:
         settings.watching.label_selectors[_resource(kind)] = MANAGED_SELECTOR
 
 
-def build_registry(reconciler: Reconciler) -> kopf.OperatorRegistry:
+def build_registry(reconciler: Reconciler, queue: WorkQueue) -> kopf.OperatorRegistry:
     registry = kopf.OperatorRegistry()
     m3deployments = (API_VERSION, PLURAL)
 
@@ -94,24 +99,27 @@ def build_registry(reconciler: Reconciler) -> kopf.OperatorRegistry:
             reconciler.forget(body["metadata"]["namespace"], body["metadata"]["name"])
 
     for kind in WATCHED_CHILD_KINDS:
-        _register_child_watch(registry, reconciler, kind)
+        _register_child_watch(registry, queue, kind)
     return registry
 
 
-def _register_child_watch(registry: kopf.OperatorRegistry, reconciler: Reconciler, kind: ChildKind) -> None:
-    refreshes_status = kind in (DEPLOYMENT, POD)
+def child_work(kind: ChildKind, event_type: str | None, body: Mapping[str, Any]) -> Work | None:
+    """What a child's or pod's event asks of its owner, if anything."""
+    if kind == POD:
+        model_loads = body.get("metadata", {}).get("labels", {}).get(COMPONENT_LABEL) == ENGINE
+        return Work.REFRESH_STATUS if pod_problem(body, model_loads=model_loads) is not None else None
+    if event_type == "DELETED":
+        return Work.RECONCILE
+    return Work.REFRESH_STATUS if kind == DEPLOYMENT else None
 
-    def child_event(event: Mapping[str, Any], body: kopf.Body, **_: Any) -> None:
+
+def _register_child_watch(registry: kopf.OperatorRegistry, queue: WorkQueue, kind: ChildKind) -> None:
+    async def child_event(event: Mapping[str, Any], body: kopf.Body, **_: Any) -> None:
         owner = owner_key(body)
-        if owner is None:
-            return
-        if event.get("type") == "DELETED" and kind != POD:
-            logger.info("%s %s/%s was deleted: reconciling its %s", kind.kind, owner[0], body["metadata"]["name"], KIND)
-            reconciler.reconcile_by_key(*owner)
-        elif refreshes_status:
-            reconciler.refresh_status(*owner)
+        work = child_work(kind, event.get("type"), body)
+        if owner is not None and work is not None:
+            queue.request(owner, work, delay=REFRESH_DELAY_SECONDS if work == Work.REFRESH_STATUS else 0.0)
 
-    # Event handlers are not retried: a failure here is logged, and the drift loop repairs what is left.
     kopf.on.event(
         *_resource(kind), labels={MANAGED_BY_LABEL: OPERATOR_NAME}, id=f"{kind.kind.lower()}-event", registry=registry
     )(child_event)

@@ -3,12 +3,12 @@ longer wanted, then write the status from what is observed.
 
 Every path into the operator (create/update/resume of an M3Deployment, a deleted child, the drift
 loop) ends in ``Reconciler.reconcile``; child and pod changes only refresh the status.  Work on one
-M3Deployment is serialized by a per-object lock, and bursts of status refreshes are coalesced.
+M3Deployment is serialized by a per-object lock (kopf's handler threads and the work queue's).
 """
 
 import logging
 import threading
-from collections.abc import Callable, Hashable, Mapping
+from collections.abc import Callable, Mapping
 from datetime import UTC, datetime
 from typing import Any
 
@@ -43,31 +43,6 @@ def _last_reconcile_error(status: Mapping[str, Any]) -> str | None:
     return None
 
 
-class KeyedCoalescer:
-    """Runs ``fn`` for a key; calls arriving while it runs for that key fold into one more run."""
-
-    def __init__(self) -> None:
-        self._guard = threading.Lock()
-        self._pending: dict[Hashable, bool] = {}  # key -> another run requested
-
-    def run(self, key: Hashable, fn: Callable[[], None]) -> None:
-        with self._guard:
-            if key in self._pending:
-                self._pending[key] = True
-                return
-            self._pending[key] = False
-        try:
-            while True:
-                fn()
-                with self._guard:
-                    if not self._pending[key]:
-                        return
-                    self._pending[key] = False
-        finally:
-            with self._guard:
-                self._pending.pop(key, None)
-
-
 class Reconciler:
     def __init__(self, cluster: Cluster, images: Images, clock: Callable[[], str] = utc_now) -> None:
         self.cluster = cluster
@@ -75,7 +50,6 @@ class Reconciler:
         self.clock = clock
         self._locks: dict[Key, threading.Lock] = {}
         self._locks_guard = threading.Lock()
-        self._status_refreshes = KeyedCoalescer()
 
     def _lock(self, key: Key) -> threading.Lock:
         with self._locks_guard:
@@ -100,15 +74,17 @@ class Reconciler:
             # copied into pod templates (editing them would roll every pod).
             kopf.append_owner_reference(children, owner=dict(body))
             try:
-                for child in children:
-                    self.cluster.apply(child)
+                applied = [self.cluster.apply(child) for child in children]
                 self._prune(m3d, children)
             except ApiError as error:
                 logger.warning("reconciling %s/%s failed: %s", m3d.namespace, m3d.name, error)
                 previous_generation = int(body.get("status", {}).get("observedGeneration", 0))
                 self._write_status(body, m3d, observed_generation=previous_generation, reconcile_error=str(error))
                 raise
-            self._write_status(body, m3d, observed_generation=m3d.generation, reconcile_error=None)
+            logger.debug("reconciled %s/%s: %d children applied", m3d.namespace, m3d.name, len(children))
+            # The apply responses are the Deployments as they are now: no need to read them again.
+            deployments = [child for child in applied if child.get("kind") == DEPLOYMENT.kind]
+            self._write_status(body, m3d, observed_generation=m3d.generation, reconcile_error=None, seen=deployments)
 
     def reconcile_by_key(self, namespace: str, name: str) -> None:
         """Reconciles the current version of a resource (after a child was deleted, or from the drift loop)."""
@@ -117,10 +93,7 @@ class Reconciler:
             self.reconcile(body)
 
     def refresh_status(self, namespace: str, name: str) -> None:
-        """Rewrites the status from the observed children, coalescing bursts of child events."""
-        self._status_refreshes.run((namespace, name), lambda: self._refresh_status(namespace, name))
-
-    def _refresh_status(self, namespace: str, name: str) -> None:
+        """Rewrites the status from the observed children (after a child or pod changed)."""
         with self._lock((namespace, name)):
             body = self.cluster.get(M3DEPLOYMENT, namespace, name)
             if body is None or body["metadata"].get("deletionTimestamp"):
@@ -149,24 +122,31 @@ class Reconciler:
                     logger.info("deleting %s %s/%s: no longer wanted", kind.kind, m3d.namespace, meta["name"])
                     self.cluster.delete(kind, m3d.namespace, meta["name"], meta["uid"])
 
-    def _observe(self, m3d: M3Deployment, reconcile_error: str | None) -> Observed:
+    def _observe(self, m3d: M3Deployment, reconcile_error: str | None, seen: list[dict[str, Any]] | None) -> Observed:
         selector = f"{DEPLOYMENT_LABEL}={m3d.name}"
+        candidates = self.cluster.list(DEPLOYMENT, m3d.namespace, selector) if seen is None else seen
         deployments = {
             deployment["metadata"]["labels"][COMPONENT_LABEL]: deployment
-            for deployment in self.cluster.list(DEPLOYMENT, m3d.namespace, selector)
+            for deployment in candidates
             if controlled_by(deployment, m3d.uid) and COMPONENT_LABEL in deployment["metadata"].get("labels", {})
         }
         pods = self.cluster.list(POD, m3d.namespace, selector) if needs_pods(m3d, deployments) else []
         return Observed(deployments=deployments, pods=pods, reconcile_error=reconcile_error)
 
     def _write_status(
-        self, body: Mapping[str, Any], m3d: M3Deployment, *, observed_generation: int, reconcile_error: str | None
+        self,
+        body: Mapping[str, Any],
+        m3d: M3Deployment,
+        *,
+        observed_generation: int,
+        reconcile_error: str | None,
+        seen: list[dict[str, Any]] | None = None,
     ) -> None:
+        """Writes the status from the children; ``seen``: the Deployments as just read, if they were."""
         now = self.clock()
         previous = body.get("status", {})
-        status, transitions = compute_status(
-            m3d, self._observe(m3d, reconcile_error), previous, observed_generation=observed_generation, now=now
-        )
+        observed = self._observe(m3d, reconcile_error, seen)
+        status, transitions = compute_status(m3d, observed, previous, observed_generation=observed_generation, now=now)
         if status_changed(status, previous):
             self.cluster.apply_status(m3d.namespace, m3d.name, status)
         for transition in transitions:

@@ -1,16 +1,15 @@
-"""Run the operator: kopf's event loop plus the drift loop, sharing one Reconciler.
+"""Run the operator: kopf's event loop, the work queue and the drift loop, sharing one Reconciler.
 
-The drift loop re-reconciles every M3Deployment in the watched namespaces every
-``drift_interval_seconds``: edits to children that produced no event the operator acts on (a
-changed Service port, a scaled Deployment) are undone there.  It runs the reconciles one after
-another, so a thousand resources cost a steady trickle of requests instead of a burst.
+The drift loop asks the work queue to re-reconcile every M3Deployment in the watched namespaces
+every ``drift_interval_seconds``: edits to children that produced no event the operator acts on
+(a scaled Deployment, a changed Service) are undone there.  The queue's few workers turn a
+thousand resources into a steady trickle of requests instead of a burst.
 """
 
 import asyncio
 import contextlib
 import logging
 from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import kopf
@@ -21,8 +20,13 @@ from m3stack.operator.apply import M3DEPLOYMENT, ApiError, Cluster
 from m3stack.operator.handlers import build_registry, configure_settings
 from m3stack.operator.reconcile import Reconciler
 from m3stack.operator.render import Images
+from m3stack.operator.workqueue import Work, WorkQueue
 
 logger = logging.getLogger(__name__)
+
+# Threads draining the work queue (child deletions, status refreshes, drift checks); kopf's own
+# handler threads (--workers) create and update resources.
+QUEUE_WORKERS = 4
 
 
 @dataclass(frozen=True)
@@ -35,9 +39,11 @@ class OperatorOptions:
     workers: int
 
 
-def api_client() -> k8s.ApiClient:
-    """In-cluster service account when running in a pod, else KUBECONFIG / ~/.kube/config."""
+def api_client(connections: int) -> k8s.ApiClient:
+    """In-cluster service account when running in a pod, else KUBECONFIG / ~/.kube/config;
+    ``connections``: how many threads may talk to the API server at once."""
     configuration = k8s.Configuration()
+    configuration.connection_pool_maxsize = connections
     try:
         k8s_config.load_incluster_config(client_configuration=configuration)
     except k8s_config.ConfigException:
@@ -54,40 +60,43 @@ def _list_m3deployments(cluster: Cluster, namespaces: Sequence[str]) -> list[dic
     return bodies
 
 
-async def drift_loop(
-    reconciler: Reconciler, namespaces: Sequence[str], interval: float, pool: ThreadPoolExecutor
-) -> None:
-    loop = asyncio.get_running_loop()
+async def drift_loop(cluster: Cluster, queue: WorkQueue, namespaces: Sequence[str], interval: float) -> None:
     while True:
         await asyncio.sleep(interval)
         try:
-            bodies = await loop.run_in_executor(pool, _list_m3deployments, reconciler.cluster, namespaces)
+            bodies = await asyncio.to_thread(_list_m3deployments, cluster, namespaces)
         except Exception:  # the loop must outlive any one failure (API down, a bad object)
             logger.exception("drift check: cannot list M3Deployments")
             continue
         for body in bodies:
-            try:
-                await loop.run_in_executor(pool, reconciler.reconcile, body)
-            except ApiError as error:
-                meta = body["metadata"]
-                logger.warning("drift check of %s/%s failed: %s", meta["namespace"], meta["name"], error)
-            except Exception:
-                meta = body["metadata"]
-                logger.exception("drift check of %s/%s failed", meta["namespace"], meta["name"])
+            queue.request((body["metadata"]["namespace"], body["metadata"]["name"]), Work.RECONCILE)
 
 
 async def serve(options: OperatorOptions) -> None:
-    reconciler = Reconciler(Cluster(api_client()), options.images)
+    if logging.getLogger().getEffectiveLevel() > logging.DEBUG:
+        # kopf logs every handler run at INFO: one line per child and pod event is noise, failures stay.
+        logging.getLogger("kopf.objects").setLevel(logging.WARNING)
+    # kopf's handler threads, the queue's workers and the drift loop's listing.
+    cluster = Cluster(api_client(connections=options.workers + QUEUE_WORKERS + 1))
+    reconciler = Reconciler(cluster, options.images)
+    queue = WorkQueue(
+        reconcile=reconciler.reconcile_by_key,
+        refresh_status=reconciler.refresh_status,
+        workers=QUEUE_WORKERS,
+        expected_errors=(ApiError,),
+    )
     settings = kopf.OperatorSettings()
     configure_settings(settings)
     settings.execution.max_workers = options.workers
-    drift_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="drift")
-    drift = asyncio.create_task(
-        drift_loop(reconciler, options.namespaces, options.drift_interval_seconds, drift_pool), name="drift"
-    )
+    background = [
+        asyncio.create_task(queue.run(), name="workqueue"),
+        asyncio.create_task(
+            drift_loop(cluster, queue, options.namespaces, options.drift_interval_seconds), name="drift"
+        ),
+    ]
     try:
         await kopf.operator(
-            registry=build_registry(reconciler),
+            registry=build_registry(reconciler, queue),
             settings=settings,
             standalone=True,  # one replica (Recreate): no peering objects, no peering RBAC
             clusterwide=not options.namespaces,
@@ -95,7 +104,8 @@ async def serve(options: OperatorOptions) -> None:
             liveness_endpoint=f"http://{options.liveness_host}:{options.liveness_port}/healthz",
         )
     finally:
-        drift.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await drift
-        drift_pool.shutdown(wait=False, cancel_futures=True)
+        for task in background:
+            task.cancel()
+        for task in background:
+            with contextlib.suppress(asyncio.CancelledError):
+                await task

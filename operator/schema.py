@@ -49,12 +49,18 @@ def obj(
     default: Mapping[str, Any] | None = None,
     rules: Iterable[Schema] = (),
 ) -> Schema:
-    """An object with fixed properties; ``default={}`` lets the children's defaults apply when it is absent."""
-    node = _node("object", description, None if default is None else dict(default), rules, {})
+    """An object with fixed properties; ``default={}`` lets the children's defaults apply when it is absent.
+
+    The default is stored expanded (the children's defaults filled in): the API server checks a
+    default against the object's CEL rules as written, without defaulting inside it first.
+    """
+    node = _node("object", description, None, rules, {})
     node["properties"] = dict(properties)
     required = list(required)
     if required:
         node["required"] = required
+    if default is not None:
+        node["default"] = apply_defaults(node, dict(default))
     return node
 
 

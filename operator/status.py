@@ -95,11 +95,18 @@ class Transition:
 
 
 def needs_pods(m3d: M3Deployment, deployments: Mapping[str, Mapping[str, Any]]) -> bool:
-    """Pods explain why a component is not ready; when every one is ready there is nothing to explain."""
-    return any(
-        not assess_component(component, deployments.get(component), (), suspended=m3d.spec.suspend).ready
-        for component in (ENGINE, GATEWAY)
-    )
+    """Pods explain why a component is not ready: worth reading only for a Deployment that is not
+    ready and that its controller has seen (before that it has no pods to explain anything)."""
+    for component in (ENGINE, GATEWAY):
+        deployment = deployments.get(component)
+        if deployment is None:
+            continue
+        seen = int(deployment.get("status", {}).get("observedGeneration", 0)) >= int(
+            deployment.get("metadata", {}).get("generation", 0)
+        )
+        if seen and not assess_component(component, deployment, (), suspended=m3d.spec.suspend).ready:
+            return True
+    return False
 
 
 def assess_component(
@@ -141,7 +148,7 @@ def assess_component(
     return ComponentHealth(False, rolled_out, REPLICAS_NOT_READY if rolled_out else UPDATING, progress, counts)
 
 
-def _pod_problem(pod: Mapping[str, Any], *, model_loads: bool) -> tuple[str, str] | None:
+def pod_problem(pod: Mapping[str, Any], *, model_loads: bool) -> tuple[str, str] | None:
     name = pod.get("metadata", {}).get("name", "?")
     status = pod.get("status", {})
     for condition in status.get("conditions", []):
@@ -165,7 +172,7 @@ def _worst_problem(pods: Iterable[Mapping[str, Any]], *, model_loads: bool) -> t
         problem
         for pod in pods
         if not pod.get("metadata", {}).get("deletionTimestamp")
-        and (problem := _pod_problem(pod, model_loads=model_loads)) is not None
+        and (problem := pod_problem(pod, model_loads=model_loads)) is not None
     ]
     return min(problems, key=lambda problem: ranking.index(problem[0]), default=None)
 

@@ -255,4 +255,6 @@ def test_pods_are_read_only_when_something_is_not_ready(make_m3d):
     ready = {"engine": deployment("engine", 1, 1), "gateway": deployment("gateway", 2, 2)}
     assert not needs_pods(m3d, ready)
     assert needs_pods(m3d, {**ready, "gateway": deployment("gateway", 2, 1)})
-    assert needs_pods(m3d, {"engine": deployment("engine", 1, 1)})
+    # No pods can explain a Deployment that does not exist or that its controller has not seen yet.
+    assert not needs_pods(m3d, {"engine": deployment("engine", 1, 1)})
+    assert not needs_pods(m3d, {**ready, "gateway": deployment("gateway", 2, 0, generation=3, observed=2)})
