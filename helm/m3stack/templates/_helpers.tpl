@@ -64,9 +64,13 @@ helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" }}
   verbs: [create]
 {{- end -}}
 
-{{/* kopf learns whether the CRD is installed by watching CRDs: the one cluster-wide need. */}}
+{{/* kopf watches CRDs (is the CRD installed?) and namespaces (to resolve the watched ones): the only
+     cluster-wide reads. */}}
 {{- define "m3stack.clusterRules" -}}
 - apiGroups: [apiextensions.k8s.io]
   resources: [customresourcedefinitions]
+  verbs: [list, watch]
+- apiGroups: [""]
+  resources: [namespaces]
   verbs: [list, watch]
 {{- end -}}

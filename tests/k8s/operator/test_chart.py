@@ -52,7 +52,7 @@ def _grants(rules: list[dict]) -> set[tuple[str, str, str]]:
 REQUIRED = {
     (rule.api_group, resource, verb) for rule in REQUIRED_RULES for resource in rule.resources for verb in rule.verbs
 }
-CLUSTER_SCOPED = {grant for grant in REQUIRED if grant[0] == "apiextensions.k8s.io"}
+CLUSTER_SCOPED = {grant for grant in REQUIRED if grant[1] in ("customresourcedefinitions", "namespaces")}
 
 
 @pytest.mark.parametrize("values", [[], ["--set", "watchNamespaces={team-a,team-b}"], ["--set", "crds.install=false"]])
@@ -70,7 +70,7 @@ def test_cluster_wide_rbac_is_exactly_what_the_operator_does(helm):
     assert not [d for d in docs if d["kind"] in ("Role", "RoleBinding")]
 
 
-def test_namespaced_rbac_grants_the_cluster_only_the_crd_watch(helm):
+def test_namespaced_rbac_grants_the_cluster_only_the_crd_and_namespace_watch(helm):
     docs = _template(helm, "--set", "watchNamespaces={team-a,team-b}")
     assert _grants(_one(docs, "ClusterRole")["rules"]) == CLUSTER_SCOPED
     for namespace in ("team-a", "team-b"):
