@@ -1,0 +1,264 @@
+"""The operator on the real control plane: the chart installed with Helm, the operator process running
+with the chart's ServiceAccount token (so missing RBAC fails loudly), pods scheduled on fake GPU
+nodes and made Ready by kwok.
+
+One operator serves every test of this module (one namespace, one M3Deployment name per test), so
+the suite pays its start-up once; test_restart.py and test_many.py run their own.
+"""
+
+from __future__ import annotations
+
+import json
+import secrets
+import sys
+from collections.abc import Iterator
+
+import pytest
+import yaml
+from m3d_testkit import (
+    EXAMPLE,
+    RELEASE_NAMESPACE,
+    SERVICE_ACCOUNT,
+    Kube,
+    OperatorProcess,
+    deployment,
+    live_pods,
+    m3deployment,
+    pod_ready,
+    wait_for,
+)
+
+
+@pytest.fixture(scope="module")
+def kube(k8s_cluster, chart, tmp_path_factory, request) -> Iterator[Kube]:
+    namespace = f"t-operator-{secrets.token_hex(3)}"
+    k8s_cluster.kubectl("create", "namespace", namespace)
+    log = tmp_path_factory.mktemp("operator") / "operator.log"
+    process = OperatorProcess(k8s_cluster, chart.service_account_kubeconfig, namespace, log)
+    failures_before = request.session.testsfailed
+    process.start(drift_interval_s=5)
+    yield Kube(k8s_cluster, namespace)
+    process.stop()
+    if request.session.testsfailed > failures_before:
+        sys.stderr.write(f"\n--- operator log ---\n{process.log_tail()}\n")
+    k8s_cluster.kubectl("delete", "namespace", namespace, "--wait=false")
+
+
+def test_the_chart_renders_what_the_api_server_accepts(k8s_cluster, chart):
+    """helm template | kubectl apply --dry-run=server: schema and admission checks of every object."""
+    rendered = k8s_cluster.run(
+        [
+            str(k8s_cluster.binary("helm")),
+            "template",
+            "m3stack",
+            str(EXAMPLE.parent.parent),
+            "--namespace",
+            RELEASE_NAMESPACE,
+        ]
+    ).stdout
+    k8s_cluster.kubectl("apply", "--dry-run=server", "-f", "-", input=rendered)
+    operator_deployment = k8s_cluster.kubectl(
+        "-n", RELEASE_NAMESPACE, "get", "deployment", SERVICE_ACCOUNT, "-o", "json"
+    )
+    assert json.loads(operator_deployment)["status"]["readyReplicas"] == 1, "helm install --wait got it Ready"
+
+
+def test_the_example_becomes_ready_with_owned_children(kube):
+    example = yaml.safe_load(EXAMPLE.read_text())
+    kube.apply(example)
+    body = kube.wait_ready("tiny")
+    uid = body["metadata"]["uid"]
+    assert not body["metadata"].get("finalizers"), "deletion must never wait for the operator"
+    children = kube.children("tiny")
+    assert sorted((c["kind"], c["metadata"]["name"]) for c in children) == [
+        ("ConfigMap", "tiny-config"),
+        ("Deployment", "tiny-engine"),
+        ("Deployment", "tiny-gateway"),
+        ("PodDisruptionBudget", "tiny-engine"),
+        ("PodDisruptionBudget", "tiny-gateway"),
+        ("Service", "tiny-engine"),
+        ("Service", "tiny-gateway"),
+    ]
+    for child in children:
+        (owner,) = child["metadata"]["ownerReferences"]
+        assert (owner["kind"], owner["name"], owner["uid"], owner["controller"]) == ("M3Deployment", "tiny", uid, True)
+        assert "m3stack-operator" in {field["manager"] for field in child["metadata"]["managedFields"]}
+    status = body["status"]
+    assert (status["engine"]["readyReplicas"], status["gateway"]["readyReplicas"]) == (1, 2)
+    assert status["phase"] == "Ready"
+    assert status["url"] == f"http://tiny-gateway.{kube.namespace}.svc:8000/v1"
+    engine_pods = live_pods(kube, status["engine"]["selector"])
+    assert len(engine_pods) == 1 and pod_ready(engine_pods[0])
+    node = kube.cluster.kubectl("get", "node", engine_pods[0]["spec"]["nodeName"], "-o", "json")
+    assert json.loads(node)["metadata"]["labels"]["nvidia.com/gpu.product"] == "NVIDIA-H200"
+    resources = engine_pods[0]["spec"]["containers"][0]["resources"]
+    assert resources["limits"]["nvidia.com/gpu"] == "1"
+    assert resources["requests"]["memory"] == "24Gi", "16Gi requested plus the 8Gi CPU KV offload"
+    table = kube("get", "m3d", "tiny")
+    assert table.split("\n")[0].split() == ["NAME", "MODEL", "READY", "ENGINES", "DESIRED", "GATEWAYS", "AGE"]
+    assert table.split("\n")[1].split()[:6] == ["tiny", "m3-tiny", "True", "1", "1", "2"]
+    events = kube.json("get", "events", "--field-selector", "involvedObject.name=tiny,involvedObject.kind=M3Deployment")
+    assert "AllComponentsReady" in {event["reason"] for event in events["items"]}
+
+
+def test_kubectl_scale_drives_the_engines(kube):
+    kube.apply(m3deployment("scaled"))
+    kube.wait_ready("scaled")
+    kube("scale", "m3d/scaled", "--replicas=3")
+    wait_for(
+        "3 engine replicas", lambda: (deployment(kube, "scaled-engine") or {}).get("spec", {}).get("replicas") == 3
+    )
+    body = kube.wait_ready("scaled")
+    assert body["status"]["engine"]["readyReplicas"] == 3
+    scale = kube.json("get", "m3d", "scaled", "--subresource=scale")
+    assert (scale["spec"]["replicas"], scale["status"]["replicas"]) == (3, 3)
+    assert len(live_pods(kube, scale["status"]["selector"])) == 3
+
+
+def test_a_spec_edit_rolls_out_only_the_changed_tier(kube):
+    kube.apply(m3deployment("rolling", {"engine": {"replicas": 2}}))
+    kube.wait_ready("rolling")
+    gateway_pods = {
+        pod["metadata"]["name"] for pod in live_pods(kube, "m3stack.io/deployment=rolling,m3stack.io/component=gateway")
+    }
+    old_hash = deployment(kube, "rolling-engine")["spec"]["template"]["metadata"]["annotations"][
+        "m3stack.io/config-hash"
+    ]
+    kube(
+        "patch",
+        "m3d",
+        "rolling",
+        "--type=merge",
+        "-p",
+        json.dumps({"spec": {"engine": {"drain": {"shutdownTimeoutSeconds": 90}}}}),
+    )
+    body = kube.wait_ready("rolling")
+    assert body["status"]["observedGeneration"] == body["metadata"]["generation"] == 2
+    engine = deployment(kube, "rolling-engine")
+    new_hash = engine["spec"]["template"]["metadata"]["annotations"]["m3stack.io/config-hash"]
+    assert new_hash != old_hash
+    assert engine["spec"]["template"]["spec"]["terminationGracePeriodSeconds"] == 15 + 90 + 15
+
+    def rolled() -> bool:
+        pods = live_pods(kube, "m3stack.io/deployment=rolling,m3stack.io/component=engine")
+        hashes = {pod["metadata"]["annotations"]["m3stack.io/config-hash"] for pod in pods}
+        return len(pods) == 2 and hashes == {new_hash} and all(pod_ready(pod) for pod in pods)
+
+    wait_for("the engines to roll to the new template", rolled)
+    assert kube.json("get", "configmap", "rolling-config")["data"]["M3STACK_ENGINE_DRAIN_TIMEOUT"] == "90"
+    gateway_now = {
+        pod["metadata"]["name"] for pod in live_pods(kube, "m3stack.io/deployment=rolling,m3stack.io/component=gateway")
+    }
+    assert gateway_now == gateway_pods, "an engine setting must not restart the gateways"
+
+
+def test_deleted_and_edited_children_come_back(kube):
+    kube.apply(m3deployment("healing"))
+    kube.wait_ready("healing")
+    before = {(c["kind"], c["metadata"]["name"]): c["metadata"]["uid"] for c in kube.children("healing")}
+    kube("delete", "service", "healing-engine", "--wait=false")
+    kube("delete", "deployment", "healing-gateway", "--wait=false")
+    kube("delete", "configmap", "healing-config", "--wait=false")
+
+    def recreated() -> bool:
+        now = {(c["kind"], c["metadata"]["name"]): c["metadata"]["uid"] for c in kube.children("healing")}
+        replaced = [
+            key
+            for key in (
+                ("Service", "healing-engine"),
+                ("Deployment", "healing-gateway"),
+                ("ConfigMap", "healing-config"),
+            )
+            if key in now and now[key] != before[key]
+        ]
+        return now.keys() == before.keys() and len(replaced) == 3
+
+    wait_for("the deleted children to be recreated", recreated, timeout_s=30)
+    # Someone scales the engine Deployment by hand: the drift loop takes the field back.
+    kube("scale", "deployment", "healing-engine", "--replicas=4")
+    wait_for(
+        "the drift loop to restore the engine replicas",
+        lambda: (deployment(kube, "healing-engine") or {}).get("spec", {}).get("replicas") == 1,
+        timeout_s=30,
+    )
+    kube.wait_ready("healing")
+
+
+def test_suspend_scales_to_zero_and_back(kube):
+    kube.apply(m3deployment("sleepy", {"engine": {"replicas": 2}, "gateway": {"replicas": 2}}))
+    kube.wait_ready("sleepy")
+    kube("patch", "m3d", "sleepy", "--type=merge", "-p", '{"spec":{"suspend":true}}')
+    wait_for("no pods left", lambda: not live_pods(kube, "m3stack.io/deployment=sleepy"))
+    wait_for("phase Suspended", lambda: kube.m3d("sleepy").get("status", {}).get("phase") == "Suspended")
+    assert kube.condition("sleepy", "Ready")["reason"] == "Suspended"
+    assert kube.m3d("sleepy")["spec"]["engine"]["replicas"] == 2, "suspend keeps the desired count"
+    kube("patch", "m3d", "sleepy", "--type=merge", "-p", '{"spec":{"suspend":false}}')
+    body = kube.wait_ready("sleepy")
+    assert (body["status"]["engine"]["readyReplicas"], body["status"]["gateway"]["readyReplicas"]) == (2, 2)
+
+
+def test_unschedulable_engines_report_insufficient_capacity(kube, k8s_node_pool):
+    pool = k8s_node_pool(count=1, gpus=2)
+    engine = {
+        "replicas": 2,
+        "accelerator": {"count": 2},
+        "nodeSelector": pool.node_selector,
+        "tolerations": [pool.toleration],
+    }
+    kube.apply(m3deployment("crowded", {"engine": engine}))
+    wait_for(
+        "Ready=False because of InsufficientCapacity",
+        lambda: kube.condition("crowded", "Ready").get("reason") == "InsufficientCapacity",
+    )
+    status = kube.m3d("crowded")["status"]
+    assert status["engine"]["readyReplicas"] == 1
+    assert status["phase"] == "Degraded"
+    degraded = kube.condition("crowded", "Degraded")
+    assert (degraded["status"], degraded["reason"]) == ("True", "InsufficientCapacity")
+    assert "nvidia.com/gpu" in degraded["message"]
+    warnings = kube.json("get", "events", "--field-selector", "involvedObject.name=crowded,type=Warning")["items"]
+    assert "InsufficientCapacity" in {event["reason"] for event in warnings}
+    kube("scale", "m3d/crowded", "--replicas=1")
+    kube.wait_ready("crowded")
+    assert kube.condition("crowded", "Degraded")["status"] == "False"
+
+
+def test_deleting_the_resource_removes_everything(kube):
+    kube.apply(
+        m3deployment(
+            "doomed", {"autoscaling": {"gateway": {"enabled": True}}, "exposure": {"ingress": {"host": "m3.test"}}}
+        )
+    )
+    kube.wait_ready("doomed")
+    assert {c["kind"] for c in kube.children("doomed")} >= {"HorizontalPodAutoscaler", "Ingress"}
+    kube("delete", "m3d", "doomed", "--wait=true", "--timeout=30s")
+    wait_for("children to be garbage-collected", lambda: not kube.children("doomed"), timeout_s=60)
+    wait_for(
+        "pods to be gone",
+        lambda: not kube.json("get", "pods", "-l", "m3stack.io/deployment=doomed")["items"],
+        timeout_s=60,
+    )
+    assert not kube.json("get", "replicasets", "-l", "m3stack.io/deployment=doomed")["items"]
+
+
+def test_children_no_longer_wanted_are_pruned(kube):
+    kube.apply(
+        m3deployment(
+            "pruned", {"autoscaling": {"gateway": {"enabled": True}}, "exposure": {"ingress": {"host": "m3.test"}}}
+        )
+    )
+    kube.wait_ready("pruned")
+    gateway = deployment(kube, "pruned-gateway")
+    assert gateway["spec"]["replicas"] >= 1
+    managers = {
+        field["manager"]
+        for field in gateway["metadata"]["managedFields"]
+        if "f:replicas" in json.dumps(field.get("fieldsV1", {}))
+    }
+    assert "m3stack-operator" not in managers, "the HPA owns the gateway's replicas"
+    kube("patch", "m3d", "pruned", "--type=json", "-p", json.dumps([
+        {"op": "remove", "path": "/spec/exposure/ingress"},
+        {"op": "replace", "path": "/spec/autoscaling/gateway/enabled", "value": False},
+    ]))  # fmt: skip
+    wait_for("the HPA and the Ingress to be deleted", lambda: not kube.children("pruned", "hpa,ingresses"))
+    kube.wait_ready("pruned")
