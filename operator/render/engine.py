@@ -53,16 +53,17 @@ def _container(m3d: M3Deployment, image: str, mounts: list[dict[str, Any]]) -> d
             "timeoutSeconds": 5,
             "failureThreshold": math.ceil(engine.startup_timeout_seconds / STARTUP_PROBE_PERIOD_SECONDS),
         },
-        # The deep health check runs a one-token forward: the pod takes traffic only when it can serve.
+        # /ready: loaded, admitting requests, not draining: the pod takes traffic only when it can serve
+        # (and leaves the headless Service's DNS as soon as it starts draining).
         "readinessProbe": {
-            "httpGet": {"path": "/health", "port": METRICS_PORT_NAME},
-            "periodSeconds": 10,
-            "timeoutSeconds": 10,
-            "failureThreshold": 3,
+            "httpGet": {"path": "/ready", "port": METRICS_PORT_NAME},
+            "periodSeconds": 5,
+            "timeoutSeconds": 5,
+            "failureThreshold": 2,
         },
-        # Liveness is the cheap grpc.health.v1 check: a busy engine is slow, not dead.
+        # /health fails only when the engine loop died: a busy or draining engine is not restarted.
         "livenessProbe": {
-            "grpc": {"port": engine.grpc_port},
+            "httpGet": {"path": "/health", "port": METRICS_PORT_NAME},
             "periodSeconds": 30,
             "timeoutSeconds": 10,
             "failureThreshold": 4,

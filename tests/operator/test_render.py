@@ -87,8 +87,9 @@ def test_engine_pod_gets_gpus_memory_for_offload_probes_and_drain(make_m3d, imag
     assert startup["httpGet"]["path"] == "/loaded"
     assert startup["periodSeconds"] * startup["failureThreshold"] >= 905
     assert startup["failureThreshold"] == math.ceil(905 / startup["periodSeconds"])
-    assert container["readinessProbe"]["httpGet"]["path"] == "/health"
-    assert container["livenessProbe"]["grpc"]["port"] == 50051
+    assert container["readinessProbe"]["httpGet"] == {"path": "/ready", "port": "metrics"}
+    assert container["livenessProbe"]["httpGet"] == {"path": "/health", "port": "metrics"}
+    assert {"name": "metrics", "containerPort": 9400, "protocol": "TCP"} in container["ports"]
     assert container["lifecycle"]["preStop"]["sleep"]["seconds"] == 20
     assert pod["terminationGracePeriodSeconds"] >= 20 + 120
     shm = next(volume for volume in pod["volumes"] if volume["name"] == "dshm")
