@@ -2,7 +2,9 @@
 operator Deployment, the CRD copy.  (Installing it on the control plane: test_operator.py.)"""
 
 import argparse
+import os
 import subprocess
+import sys
 from pathlib import Path
 
 import controlplane
@@ -53,6 +55,25 @@ REQUIRED = {
     (rule.api_group, resource, verb) for rule in REQUIRED_RULES for resource in rule.resources for verb in rule.verbs
 }
 CLUSTER_SCOPED = {grant for grant in REQUIRED if grant[1] in ("customresourcedefinitions", "namespaces")}
+
+
+def test_chart_testing_lint():
+    """ct lint: Chart.yaml schema, yamllint of every YAML file, helm lint."""
+    tools = controlplane.binaries_dir(build=False)
+    # ct runs helm from PATH, and yamllint and yamale from this environment.
+    path = os.pathsep.join([str(tools / "bin"), str(Path(sys.executable).parent), os.environ["PATH"]])
+    result = subprocess.run(
+        [
+            str(tools / "bin" / "ct"), "lint", "--charts", str(CHART),
+            "--check-version-increment=false", "--validate-maintainers=false",
+            "--chart-yaml-schema", str(tools / "share" / "ct" / "chart_schema.yaml"),
+            "--lint-conf", str(tools / "share" / "ct" / "lintconf.yaml"),
+        ],
+        capture_output=True, text=True, timeout=300, cwd=CHART.parents[1],
+        env={**os.environ, "PATH": path},
+    )  # fmt: skip
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "All charts linted successfully" in result.stdout
 
 
 @pytest.mark.parametrize("values", [[], ["--set", "watchNamespaces={team-a,team-b}"], ["--set", "crds.install=false"]])
