@@ -4,13 +4,16 @@ A random-weight model with M3's attention dims (64 query heads, 4 KV heads, head
 blocks of 128, top-16) and fewer layers (default 16: one dense-attention layer, then MSA layers;
 dense MLPs by default because the MoE forward synchronizes with the host once per layer, see
 ``--moe``).  ``concurrency`` requests with ``--context``-token prompts are prefilled, then
-``--steps`` plain decode steps are timed, with decode CUDA graphs (when the model and attention
-backend allow capture; the ``graphs`` column says whether they did) and eagerly, in the same run.
+``--steps`` plain decode steps are timed in three modes, in the same run: ``graphs`` (decode CUDA
+graphs when the model and attention backend allow capture, the ``graphs`` column says whether they
+did, and async scheduling), ``eager`` (async scheduling, no graphs) and ``sync`` (no graphs, each
+step finished before the next is scheduled: the host and the GPU take turns).
 
-Per step: ``wall`` is ``EngineCore.step()`` on the host clock (it ends with the sampled tokens on
-the host); ``gpu`` is CUDA-event time from the forward launch to the end of sampling; ``host`` =
-wall - gpu, the time the GPU waits for the host (schedule, input preparation, attention planning,
-sampling setup, result bookkeeping).  Target: host < 10% of the step with CUDA graphs.  Medians.
+Per step: ``wall`` is one ``EngineCore.step()`` on the host clock (in steady state, the period of
+the step loop); ``gpu`` is CUDA-event time from a step's forward launch to the end of its sampling;
+``host`` = wall - gpu, the time the GPU waits for the host (scheduling, input preparation, attention
+planning, sampling setup, bookkeeping, whatever async scheduling does not hide).  Target: host <
+10% of the step with CUDA graphs.  Medians.
 
     python -m bench.engine_step [--out DIR] [--layers 16] [--context 1024] [--steps 100]
 """
@@ -118,6 +121,8 @@ def measure(core: EngineCore, concurrency: int, context: int, steps: int) -> dic
     runner.timing = False
     for request_id in list(core.scheduler.requests):
         core.abort_request(request_id, "benchmark done")
+    while core.has_work:  # the step still in flight
+        core.step()
     wall, gpu, schedule, prepare, update = (statistics.median(column) for column in zip(*samples, strict=True))
     host = statistics.median(w - g for w, g, *_ in samples)
     return {
@@ -151,7 +156,7 @@ def main() -> int:
     max_len = args.context + WARMUP_STEPS + args.steps + 16
     blocks = max(CONCURRENCIES) * -(-max_len // 128) + 8
     rows = []
-    for mode in ("graphs", "eager"):
+    for mode, graphs, overlap in (("graphs", True, True), ("eager", False, True), ("sync", False, False)):
         config = EngineConfig(
             device="cuda",
             dtype="bfloat16",
@@ -159,7 +164,8 @@ def main() -> int:
             max_num_batched_tokens=8192,
             max_model_len=max_len,
             num_kv_blocks=blocks,
-            cuda_graphs=mode == "graphs",
+            cuda_graphs=graphs,
+            async_scheduling=overlap,
         )
         core = assemble_engine_core(config, model, m3, model_path=f"random-m3-dims-{args.layers}-layers", device=device,
                                     dtype=torch.bfloat16)  # fmt: skip

@@ -8,6 +8,7 @@ peak.  On cpu it takes ``kv_cache_gb`` (1 GiB by default).
 """
 
 import logging
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -69,6 +70,10 @@ def make_attention_backend(kv_caches: list[LayerKVCache], config: M3Config, devi
 
 def build_engine_core(config: EngineConfig) -> EngineCore:
     """Load ``config.model`` and assemble the engine around it."""
+    if config.parallel.is_parallel:  # one process per GPU: engine.distributed starts them and shards the model
+        from m3stack.engine.distributed.engine import build_parallel_engine_core
+
+        return build_parallel_engine_core(config)
     device = resolve_device(config.device)
     dtype = resolve_dtype(config.dtype, device)
     folder = model_folder(config.model)
@@ -88,9 +93,14 @@ def assemble_engine_core(
     model_path: str,
     device: torch.device,
     dtype: torch.dtype,
+    backend_wrapper: Callable[[AttentionBackend], AttentionBackend] | None = None,
 ) -> EngineCore:
-    """Size and allocate the KV cache for a loaded model, then build the scheduler, runner and core around it."""
-    parts = _Parts(config, model, m3, model_path, device, dtype)
+    """Size and allocate the KV cache for a loaded model, then build the scheduler, runner and core around it.
+
+    ``backend_wrapper`` wraps the attention backend the runner gets (the parallel engine records each step's
+    metadata for its workers there).
+    """
+    parts = _Parts(config, model, m3, model_path, device, dtype, backend_wrapper)
     num_blocks = _num_kv_blocks(config, parts.spec, device, parts)
     block_size = parts.spec.block_size
     capacity = (num_blocks - 1) * block_size
@@ -122,7 +132,9 @@ class _Parts:
     """Builds an ``EngineCore`` for a given KV size (the real one, or a small one to profile a step)."""
 
     def __init__(self, config: EngineConfig, model: M3ForServing, m3: M3Config, model_path: str,
-                 device: torch.device, dtype: torch.dtype) -> None:  # fmt: skip
+                 device: torch.device, dtype: torch.dtype,
+                 backend_wrapper: Callable[[AttentionBackend], AttentionBackend] | None = None) -> None:  # fmt: skip
+        self.backend_wrapper = backend_wrapper
         self.config = config
         self.model = model
         self.m3 = m3
@@ -135,6 +147,8 @@ class _Parts:
         config, block_size = self.config, self.spec.block_size
         kv_caches = allocate_kv_cache(self.spec, num_blocks, self.device)
         backend = make_attention_backend(kv_caches, self.m3, self.device)
+        if self.backend_wrapper is not None:
+            backend = self.backend_wrapper(backend)
         info = _model_info(config, self.model_path, self.m3, max_model_len, block_size, num_blocks, self.dtype,
                            self.device)  # fmt: skip
         encoder_cache = EncoderCache(
@@ -201,7 +215,8 @@ def _profile_step_bytes(config: EngineConfig, spec: KVCacheSpec, parts: _Parts) 
         core.add_request(
             Request(f"profile-{index}", [0] * per_request, SamplingParams(temperature=1.0, top_p=0.9), max_tokens=1)
         )
-    core.step()
+    while core.has_work:  # with async scheduling the first call only launches the step
+        core.step()
     torch.cuda.synchronize()
     peak = torch.cuda.max_memory_allocated() - before - cache_bytes
     del core

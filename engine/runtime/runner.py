@@ -96,6 +96,8 @@ class ModelRunner:
         # The last launched step's sampled tokens on the device, and the row of each request in them.
         self._previous_tokens: torch.Tensor | None = None
         self._previous_rows: dict[str, int] = {}
+        # Recorded after a step's input copies were enqueued (see _wait_inputs_consumed).
+        self._inputs_consumed: torch.cuda.Event | None = None
 
     def execute(self, out: SchedulerOutput) -> dict[str, SampledToken]:
         """Run a step to completion (launch, then finish)."""
@@ -147,10 +149,12 @@ class ModelRunner:
 
         ``launched`` is recorded right before the forward is launched, after all host-side preparation.
         """
+        self._wait_inputs_consumed()
         if self.decode_graphs is not None and not host.mm_slices:
             size = self.decode_graphs.prepare(host)
             if size is not None:
                 self._fill_placeholders(self.decode_graphs.buffers.input_ids, host)
+                self._record_inputs_consumed()
                 self.num_graph_steps += 1
                 prepare_s = time.perf_counter() - start
                 if launched is not None:
@@ -160,6 +164,7 @@ class ModelRunner:
         inputs = to_device(host, self.block_size, self.device, self.encoder_cache)
         self._fill_placeholders(inputs.input_ids, host)
         self.backend.begin_step(inputs.metadata)
+        self._record_inputs_consumed()
         prepare_s = time.perf_counter() - start
         if launched is not None:
             launched.record()
@@ -167,6 +172,19 @@ class ModelRunner:
         if not len(host.logits_rows):
             return None, prepare_s
         return self.model.compute_logits(hidden[inputs.logits_rows]), prepare_s
+
+    def _record_inputs_consumed(self) -> None:
+        if self.device.type == "cuda":
+            self._inputs_consumed = torch.cuda.Event()
+            self._inputs_consumed.record()
+
+    def _wait_inputs_consumed(self) -> None:
+        """Before reusing host staging memory: the previous step's asynchronous input copies (ours, and those the
+        backend's ``begin_step`` enqueued from pinned buffers) must have run.  With a step in flight that is
+        the only wait; it ends as soon as the device starts that step."""
+        if self._inputs_consumed is not None:
+            self._inputs_consumed.synchronize()
+            self._inputs_consumed = None
 
     def _events(self) -> tuple[torch.cuda.Event, torch.cuda.Event] | None:
         if not self.timing or self.device.type != "cuda":
