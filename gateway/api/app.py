@@ -6,9 +6,9 @@ import logging
 import time
 from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
-from typing import Annotated, Any
+from typing import Any
 
-from fastapi import Depends, FastAPI, Header, Request
+from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import JSONResponse, PlainTextResponse, Response
@@ -152,20 +152,15 @@ def create_app(config: GatewayConfig) -> FastAPI:
     app.state.gateway = state
     _install_error_handlers(app)
     _add_routes(app, state)
-    app.add_middleware(RequestGuard, metrics=state.metrics, max_body_bytes=config.max_request_bytes)
+    app.add_middleware(
+        RequestGuard, metrics=state.metrics, max_body_bytes=config.max_request_bytes, api_keys=state.api_keys
+    )
     return app
 
 
 def _add_routes(app: FastAPI, state: GatewayState) -> None:
-    async def authorize(authorization: Annotated[str | None, Header()] = None) -> None:
-        if state.api_keys is not None:
-            state.api_keys.check(authorization)
-
-    api = [Depends(authorize)]
-
     @app.post(
         "/v1/chat/completions",
-        dependencies=api,
         response_model=ChatCompletionResponse,
         responses={**ERROR_RESPONSES, **STREAMING_RESPONSE},
         summary="Chat completion; with stream=true, server-sent events of chat.completion.chunk ending with [DONE]",
@@ -175,7 +170,6 @@ def _add_routes(app: FastAPI, state: GatewayState) -> None:
 
     @app.post(
         "/v1/completions",
-        dependencies=api,
         response_model=CompletionResponse,
         responses={**ERROR_RESPONSES, **STREAMING_RESPONSE},
         summary="Text completion; with stream=true, server-sent events ending with [DONE]",
@@ -183,7 +177,7 @@ def _add_routes(app: FastAPI, state: GatewayState) -> None:
     async def completions(body: CompletionRequest, request: Request) -> Response:
         return await state.service.completions(body, request, request.state.arrival_s)
 
-    @app.get("/v1/models", dependencies=api, response_model=ModelList, responses=ERROR_RESPONSES)
+    @app.get("/v1/models", response_model=ModelList, responses=ERROR_RESPONSES)
     async def models() -> ModelList:
         return ModelList(
             data=[
@@ -254,24 +248,36 @@ def validation_error_body(errors: Any) -> dict[str, Any]:
 
 
 class RequestGuard:
-    """Pure ASGI middleware: body size cap (413), the arrival time, and request metrics for /v1."""
+    """Pure ASGI middleware in front of every route: the arrival time, API keys for /v1 (the probes and
+    /metrics stay open), the body size cap (413), and request metrics for /v1."""
 
-    def __init__(self, app: ASGIApp, metrics: GatewayMetrics, max_body_bytes: int) -> None:
+    def __init__(self, app: ASGIApp, metrics: GatewayMetrics, max_body_bytes: int, api_keys: ApiKeys | None) -> None:
         self._app = app
         self._metrics = metrics
         self._max_body_bytes = max_body_bytes
+        self._api_keys = api_keys
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self._app(scope, receive, send)
             return
         scope.setdefault("state", {})["arrival_s"] = time.perf_counter()
-        declared = next((value for name, value in scope["headers"] if name == b"content-length"), None)
-        if declared is not None and declared.isdigit() and int(declared) > self._max_body_bytes:
-            await self._reject_too_large(scope, send)
-            return
         path = scope["path"]
         endpoint = path if path in API_PATHS else None
+        if self._api_keys is not None and path.startswith("/v1/"):
+            authorization = next((value for name, value in scope["headers"] if name == b"authorization"), b"")
+            try:
+                self._api_keys.check(authorization.decode("latin-1"))
+            except APIError as exc:
+                await self._reject(scope, send, exc, endpoint)
+                return
+        declared = next((value for name, value in scope["headers"] if name == b"content-length"), None)
+        if declared is not None and declared.isdigit() and int(declared) > self._max_body_bytes:
+            too_large = APIError(
+                413, f"The request body is larger than {self._max_body_bytes} bytes", code=HTTP_ERROR_CODES[413]
+            )
+            await self._reject(scope, send, too_large, endpoint)
+            return
         status_seen: list[int] = []
         received = 0
         limit = self._max_body_bytes
@@ -298,11 +304,10 @@ class RequestGuard:
                 status = status_seen[0] if status_seen else 499
                 self._metrics.requests.labels(endpoint=endpoint, status=str(status)).inc()
 
-    async def _reject_too_large(self, scope: Scope, send: Send) -> None:
-        error = APIError(
-            413, f"The request body is larger than {self._max_body_bytes} bytes", code=HTTP_ERROR_CODES[413]
-        )
-        await JSONResponse(error.body(), status_code=413)(scope, _no_body, send)
+    async def _reject(self, scope: Scope, send: Send, error: APIError, endpoint: str | None) -> None:
+        await JSONResponse(error.body(), status_code=error.status, headers=error.headers)(scope, _no_body, send)
+        if endpoint is not None:
+            self._metrics.requests.labels(endpoint=endpoint, status=str(error.status)).inc()
 
 
 async def _no_body() -> Message:

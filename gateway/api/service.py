@@ -163,19 +163,29 @@ class CompletionService:
     async def _sse(
         self, generation: Generation, renderer: ChunkRenderer, num_choices: int, include_usage: bool, arrival_s: float
     ) -> AsyncIterator[bytes]:
+        # The chunk that finishes the last choice goes out together with the usage and [DONE]: one write
+        # instead of three, and nothing waits (it is the end of the stream anyway).
+        tail = b""
+        unfinished = num_choices
         try:
-            yield renderer.opening(num_choices)
+            if opening := renderer.opening(num_choices):
+                yield opening
             try:
                 async for delta in generation.deltas():
                     chunk = renderer.delta(delta)
+                    if delta.finish_reason is not None:
+                        unfinished -= 1
+                        if unfinished == 0:
+                            tail = chunk
+                            continue
                     if chunk:
                         yield chunk
                 if include_usage:
-                    yield renderer.usage(generation.usage())
+                    tail += renderer.usage(generation.usage())
             except EngineStreamError as exc:
                 logger.warning("stream ended by an engine failure: %s", exc)
-                yield error_event(engine_failure(str(exc)).body())
-            yield SSE_DONE
+                tail += error_event(engine_failure(str(exc)).body())
+            yield tail + SSE_DONE
         finally:
             self._metrics.e2e_latency.observe(time.perf_counter() - arrival_s)
 
