@@ -1,5 +1,5 @@
 """The engine runtime on the GPU (tiny checkpoint, GPU attention backend): the CPU suite's invariance checks, the
-engine against transformers, and CUDA-graph decode against eager decode.
+engine against transformers, async scheduling and CUDA-graph decode against plain eager steps.
 
 float32 with TF32 off, so different cuts of the same work agree to the last bit that matters for argmax.
 """
@@ -33,6 +33,7 @@ def _core(**overrides):
         "max_num_batched_tokens": 512,
         "max_num_seqs": 16,
         "cuda_graphs": False,
+        "async_scheduling": False,
         **overrides,
     }
     core = build_engine_core(EngineConfig(**settings))
@@ -114,3 +115,13 @@ def test_cuda_graph_decode_matches_eager_decode(whole_prefill):
     graphs = _generate(core, PROMPTS)
     assert core.runner.num_graph_steps >= NEW_TOKENS - 2  # every plain decode step replayed a graph
     assert graphs == whole_prefill
+
+
+def test_async_scheduling_gives_the_same_tokens(whole_prefill):
+    """One step in flight on a real device queue: placeholders filled on the GPU, staging reused safely."""
+    assert _generate(_core(async_scheduling=True), PROMPTS, stagger=3) == whole_prefill
+    prompts = {f"p{i}": _prompt(60 + i, 100) for i in range(4)}
+    roomy = _generate(_core(), prompts, new_tokens=60)
+    tight = _core(num_kv_blocks=30, max_model_len=200, async_scheduling=True)
+    assert _generate(tight, prompts, new_tokens=60) == roomy
+    assert tight.scheduler.num_preemptions > 0
