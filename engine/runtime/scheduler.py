@@ -212,6 +212,7 @@ class Scheduler:
     def _admit_waiting(self, out: SchedulerOutput, budget: _StepBudget) -> None:
         if not self.waiting:
             return
+        reserve = sum(self._growth_blocks(request) for request in self.running)
         for request in self._waiting_order():
             if len(self.running) >= self.config.max_num_seqs or budget.tokens <= 0:
                 break
@@ -220,7 +221,7 @@ class Scheduler:
             cached_prefix = self.kv.find_cached_prefix(request)
             num_cached = len(cached_prefix) * self.kv.block_size
             whole_context = self.kv.num_new_blocks(request, request.num_tokens - num_cached, cached_prefix)
-            if whole_context + self._reserve_blocks() > self.kv.num_free_blocks:
+            if whole_context + reserve > self.kv.num_free_blocks:
                 break  # head of line waits for room: admitting others past it would starve it
             num_new = self._fit_encoder(
                 request, num_cached, min(request.num_tokens - num_cached, budget.tokens), budget
@@ -237,6 +238,7 @@ class Scheduler:
             self.running.append(request)
             out.requests.append(ScheduledRequest(request, num_cached, num_new, self.kv.block_ids(request.request_id)))
             budget.tokens -= num_new
+            reserve += self._growth_blocks(request)
 
     def _waiting_order(self) -> list[Request]:
         """Priority first; then, among the oldest ``prefix_order_window``, the longest cached prefix."""
@@ -252,13 +254,10 @@ class Scheduler:
 
         return sorted(window, key=key)
 
-    def _reserve_blocks(self) -> int:
-        """Blocks kept back for requests already running: one of growth each, plus unallocated prompt rest."""
-        reserve = 0
-        for request in self.running:
-            needed = blocks_for(request.num_tokens + 1, self.kv.block_size)
-            reserve += max(1, needed - self.kv.num_held_blocks(request.request_id))
-        return reserve
+    def _growth_blocks(self, request: Request) -> int:
+        """Blocks kept back for a running request: the unallocated rest of its prompt, or one block of growth."""
+        needed = blocks_for(request.num_tokens + 1, self.kv.block_size)
+        return max(1, needed - self.kv.num_held_blocks(request.request_id))
 
     def _fit_encoder(self, request: Request, start: int, num_new: int, budget: _StepBudget) -> int:
         """Shorten the chunk ``[start, start + num_new)`` to what the encoder cache can serve this step."""
