@@ -6,7 +6,8 @@
   the image runs) as a host process with that token, watching the test's namespace; stopped after.
 - ``kube`` (function): kubectl against the test's namespace, returning parsed JSON.
 
-Every test here shares one chart release (the CRD is cluster-wide), so they run in one xdist group.
+Every test here shares one chart release (the CRD is cluster-wide), so every module marks itself
+``xdist_group(GROUP)``: one xdist worker runs them all.
 """
 
 from __future__ import annotations
@@ -21,13 +22,6 @@ from controlplane import ControlPlane
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from m3d_testkit import CHART, RELEASE, RELEASE_NAMESPACE, SERVICE_ACCOUNT, Kube, OperatorProcess
-
-
-def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    here = Path(__file__).resolve().parent
-    for item in items:
-        if here in item.path.parents:
-            item.add_marker(pytest.mark.xdist_group("m3stack-operator"))
 
 
 @dataclass(frozen=True)

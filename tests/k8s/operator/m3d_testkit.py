@@ -25,6 +25,8 @@ EXAMPLE = CHART / "examples" / "m3deployment.yaml"
 RELEASE = "m3stack"
 RELEASE_NAMESPACE = "m3stack-system"
 SERVICE_ACCOUNT = "m3stack"  # the chart's fullname for this release name
+# The xdist group of every module here: they share one chart release (the CRD is cluster-wide).
+GROUP = "m3stack-operator"
 T = TypeVar("T")
 
 

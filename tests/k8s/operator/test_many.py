@@ -6,7 +6,10 @@ import json
 import logging
 import time
 
-from m3d_testkit import m3deployment, wait_for
+import pytest
+from m3d_testkit import GROUP, m3deployment, wait_for
+
+pytestmark = pytest.mark.xdist_group(GROUP)
 
 COUNT = 50
 # Measured on the 2-core development machine with the whole control plane on it (see the report);

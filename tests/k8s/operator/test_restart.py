@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import signal
 
-from m3d_testkit import deployment, live_pods, m3deployment, wait_for
+import pytest
+from m3d_testkit import GROUP, deployment, live_pods, m3deployment, wait_for
+
+pytestmark = pytest.mark.xdist_group(GROUP)
 
 
 def test_a_restart_in_the_middle_of_a_reconcile_converges_without_duplicates(kube, operator):
