@@ -42,6 +42,8 @@ def reject_unsupported(request: SamplingRequest) -> None:
             raise not_supported("suffix", "suffix")
         if request.best_of is not None and request.best_of != request.n:
             raise not_supported("best_of other than n", "best_of")
+        if request.echo and request.logprobs is not None:
+            raise not_supported("echo with logprobs (prompt logprobs)", "echo")
 
 
 def stop_strings(request: SamplingRequest) -> tuple[str, ...]:

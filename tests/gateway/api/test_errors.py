@@ -75,6 +75,16 @@ def test_invalid_parameters_are_a_400_naming_the_field(gateway, model_name, over
     assert_openai_error(post(gateway, "/v1/chat/completions", body), 400, param=param)
 
 
+def test_unsupported_completion_options_are_a_400(gateway, model_name):
+    for override, param in (
+        ({"echo": True, "logprobs": 2}, "echo"),
+        ({"suffix": "x"}, "suffix"),
+        ({"best_of": 3}, "best_of"),
+    ):
+        body = {"model": model_name, "prompt": "hi", "max_tokens": 2, **override}
+        assert_openai_error(post(gateway, "/v1/completions", body), 400, "unsupported_parameter", param)
+
+
 def test_out_of_vocabulary_prompt_ids_are_a_400(gateway, model_name):
     assert_openai_error(
         post(gateway, "/v1/completions", {"model": model_name, "prompt": [1, 10**6]}), 400, param="prompt"

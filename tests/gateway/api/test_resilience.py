@@ -21,6 +21,26 @@ def pair(stack, engine):
     return first, second, gateway
 
 
+def prompt_tokens(engine) -> float:
+    return engine.metrics().get(("m3stack_engine_prompt_tokens_total", ()), 0.0)
+
+
+def test_prefix_aware_routing_keeps_a_shared_prefix_on_one_engine(stack, pair, model_name):
+    first, second, _ = pair
+    gateway = stack.gateway([first, second], "--media-workers", "0", "--routing", "prefix-aware")
+    client = gateway.client()
+    system = "You are a careful assistant who answers in one short sentence. " * 4
+    before = {e.address: prompt_tokens(e) for e in (first, second)}
+    for question in ("What is a KV cache?", "What is MSA?", "Why batch requests?", "What is a gateway?"):
+        client.chat.completions.create(
+            model=model_name,
+            max_tokens=1,
+            messages=[{"role": "system", "content": system}, {"role": "user", "content": question}],
+        )
+    grew = [e.address for e in (first, second) if prompt_tokens(e) > before[e.address]]
+    assert len(grew) == 1, "one engine got every request sharing the prefix"
+
+
 def inflight(gateway, engine) -> float:
     return gateway.metrics().get(("m3stack_gateway_engine_inflight_requests", (("engine", engine.address),)), 0.0)
 
