@@ -316,7 +316,13 @@ ENGINE_AUTOSCALING_SCHEMA = obj(
             default="None",
             enum=["Builtin", "KEDA", "HPA", "None"],
         ),
-        "minReplicas": integer("Fewest engines.", default=1, minimum=0, maximum=1000),
+        "minReplicas": integer(
+            "Fewest engines; 0 lets an idle deployment scale to zero (Builtin and KEDA: the gateways' 503s "
+            "while no engine is ready wake it).",
+            default=1,
+            minimum=0,
+            maximum=1000,
+        ),
         "maxReplicas": integer("Most engines.", default=8, minimum=1, maximum=1000),
         "targetConcurrency": integer("In-flight requests one engine is sized for.", default=64, minimum=1),
         "targetUtilization": number(
@@ -324,11 +330,34 @@ ENGINE_AUTOSCALING_SCHEMA = obj(
         ),
         "stableWindowSeconds": integer("Averaging window in normal mode.", default=180, minimum=6, maximum=3600),
         "panicWindowSeconds": integer("Averaging window in panic mode.", default=60, minimum=1, maximum=3600),
-        "panicThreshold": number("Demand over ready capacity that starts panic mode.", default=2.0, minimum=1),
-        "maxScaleUpRate": number("Largest growth factor per decision.", default=2.0, minimum=1),
-        "maxScaleDownRate": number("Largest shrink factor per decision.", default=2.0, minimum=1),
+        "panicThreshold": number(
+            "Demand over ready capacity that starts panic mode.", default=2.0, minimum=1, exclusive_minimum=True
+        ),
+        "maxScaleUpRate": number("Largest growth factor per decision.", default=2.0, minimum=1, exclusive_minimum=True),
+        "maxScaleDownRate": number(
+            "Largest shrink factor per decision.", default=2.0, minimum=1, exclusive_minimum=True
+        ),
         "scaleDownDelaySeconds": integer(
             "Scale down only to the highest decision of this window.", default=300, minimum=0, maximum=3600
+        ),
+        "prometheus": obj(
+            "Where KEDA reads the gateways' metrics (mode KEDA). This Prometheus must scrape the gateways' "
+            "/metrics with `namespace` and `service` labels, as a ServiceMonitor on the gateway Service does.",
+            {
+                "serverAddress": string(
+                    "Prometheus base URL, e.g. http://prometheus-operated.monitoring:9090.",
+                    min_length=1,
+                    max_length=2048,
+                    pattern=r"^https?://",
+                ),
+                "query": string(
+                    "PromQL giving this resource's total in-flight engine requests (default: the sum of "
+                    "m3stack_gateway_engine_inflight_requests over its gateway Service).",
+                    min_length=1,
+                    max_length=4096,
+                ),
+            },
+            required=["serverAddress"],
         ),
     },
     default={},
@@ -337,6 +366,15 @@ ENGINE_AUTOSCALING_SCHEMA = obj(
         rule(
             "self.panicWindowSeconds <= self.stableWindowSeconds",
             "autoscaling.engine.panicWindowSeconds must be <= stableWindowSeconds",
+        ),
+        rule(
+            "self.mode != 'KEDA' || has(self.prometheus)",
+            "autoscaling.engine.prometheus.serverAddress is required in mode KEDA",
+        ),
+        rule(
+            "self.mode != 'HPA' || self.minReplicas >= 1",
+            "autoscaling.engine.minReplicas must be >= 1 in mode HPA (a HorizontalPodAutoscaler cannot scale "
+            "to zero; KEDA and Builtin can)",
         ),
     ],
 )
@@ -447,13 +485,38 @@ STATUS_SCHEMA = obj(
         "gateway": _component_status("gateway"),
         "engine": _component_status("engine"),
         "autoscaling": obj(
-            "State of the engine autoscaler.",
+            "State of the engine autoscaler (written by the built-in autoscaler, field manager m3stack-autoscaler).",
             {
                 "mode": string("Active mode.", enum=["Builtin", "KEDA", "HPA", "None"]),
                 "desiredReplicas": integer("Last decision.", minimum=0),
-                "observedConcurrency": number("Averaged in-flight requests over all engines."),
+                "observedConcurrency": number(
+                    "In-flight engine requests over all gateways, averaged over the stable window."
+                ),
+                "panicConcurrency": number("The same, averaged over the panic window."),
                 "state": string("Stable or Panic.", enum=["Stable", "Panic"]),
+                "reason": string(
+                    "Why the last decision is what it is (Steady, Scaled, ScaleDownDelayed, MaxReplicasReached, "
+                    "InsufficientCapacity, PodsPending, NoMetrics).",
+                    max_length=64,
+                ),
+                "gatewayTargets": integer("Gateways found to read in-flight counts from.", minimum=0),
+                "gatewaysScraped": integer("Gateways that answered the last read.", minimum=0),
                 "lastScaleTime": {"type": "string", "format": "date-time", "description": "Last change of replicas."},
+                "recentDecisions": array(
+                    "The last changes of the engine count, oldest first.",
+                    obj(
+                        "One change of spec.engine.replicas.",
+                        {
+                            "time": {"type": "string", "format": "date-time", "description": "When."},
+                            "fromReplicas": integer("Engines before.", minimum=0),
+                            "toReplicas": integer("Engines after.", minimum=0),
+                            "reason": string("The decision's reason.", max_length=64),
+                            "state": string("Stable or Panic.", enum=["Stable", "Panic"]),
+                            "observedConcurrency": number("Stable-window concurrency when decided."),
+                        },
+                    ),
+                    max_items=5,
+                ),
             },
         ),
     },

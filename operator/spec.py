@@ -95,6 +95,12 @@ class Engine:
 
 
 @dataclass(frozen=True)
+class Prometheus:
+    server_address: str
+    query: str | None
+
+
+@dataclass(frozen=True)
 class EngineAutoscaling:
     mode: str
     min_replicas: int
@@ -107,6 +113,7 @@ class EngineAutoscaling:
     max_scale_up_rate: float
     max_scale_down_rate: float
     scale_down_delay_seconds: int
+    prometheus: Prometheus | None
 
 
 @dataclass(frozen=True)
@@ -257,7 +264,12 @@ def _engine_autoscaling(raw: Mapping[str, Any]) -> EngineAutoscaling:
         max_scale_up_rate=float(raw["maxScaleUpRate"]),
         max_scale_down_rate=float(raw["maxScaleDownRate"]),
         scale_down_delay_seconds=raw["scaleDownDelaySeconds"],
+        prometheus=_prometheus(raw.get("prometheus")),
     )
+
+
+def _prometheus(raw: Mapping[str, Any] | None) -> Prometheus | None:
+    return None if raw is None else Prometheus(server_address=raw["serverAddress"], query=raw.get("query"))
 
 
 def _gateway_autoscaling(raw: Mapping[str, Any]) -> GatewayAutoscaling:
