@@ -30,6 +30,7 @@ PLURALS = {
     "PodDisruptionBudget": "poddisruptionbudgets",
     "HorizontalPodAutoscaler": "horizontalpodautoscalers",
     "Ingress": "ingresses",
+    "ScaledObject": "scaledobjects",
     "Pod": "pods",
     "Event": "events",
     KIND: PLURAL,
@@ -66,6 +67,8 @@ REQUIRED_RULES: tuple[Rule, ...] = (
     # kopf patches its progress annotations on the resources it serves; status is written separately.
     Rule(GROUP, (PLURAL,), ("get", "list", "patch", "watch")),
     Rule(GROUP, (f"{PLURAL}/status",), ("get", "patch")),
+    # The built-in autoscaler sets spec.engine.replicas through /scale, as kubectl scale, HPA and KEDA do.
+    Rule(GROUP, (f"{PLURAL}/scale",), ("patch",)),
     # kopf watches CRDs to learn when the resource it serves is installed, and namespaces to
     # resolve --namespace (cluster-scoped reads, the only ones).
     Rule("apiextensions.k8s.io", ("customresourcedefinitions",), ("list", "watch")),
@@ -168,6 +171,15 @@ class Cluster:
         except ApiError as error:
             if error.status not in (404, 409):
                 raise
+
+    def scale(self, kind: ChildKind, namespace: str, name: str, replicas: int) -> dict[str, Any]:
+        """Sets the replicas of a resource through its /scale subresource; returns the Scale object."""
+        return self._request(
+            "PATCH",
+            _path(kind, namespace, name, "scale"),
+            body={"spec": {"replicas": replicas}},
+            content_type="application/merge-patch+json",
+        )
 
     def apply_status(self, namespace: str, name: str, status: Mapping[str, Any]) -> None:
         """Server-side apply to the status subresource: the fields and conditions (a list keyed by

@@ -22,7 +22,7 @@ import kopf
 from m3stack.operator.apply import PLURALS, POD, ApiError
 from m3stack.operator.crd import API_VERSION, GROUP, PLURAL
 from m3stack.operator.reconcile import Reconciler
-from m3stack.operator.render import ALL_CHILD_KINDS, DEPLOYMENT, ChildKind
+from m3stack.operator.render import ALL_CHILD_KINDS, DEPLOYMENT, OPTIONAL_CHILD_KINDS, ChildKind
 from m3stack.operator.render.names import COMPONENT_LABEL, DEPLOYMENT_LABEL, ENGINE, MANAGED_BY_LABEL, OPERATOR_NAME
 from m3stack.operator.status import pod_problem
 from m3stack.operator.workqueue import Work, WorkQueue
@@ -34,7 +34,9 @@ RETRY_DELAY_SECONDS = 15
 # Status refreshes wait this long for more events of the same resource (a rollout sends several).
 REFRESH_DELAY_SECONDS = 0.5
 MANAGED_SELECTOR = f"{MANAGED_BY_LABEL}={OPERATOR_NAME}"
-WATCHED_CHILD_KINDS = (*ALL_CHILD_KINDS, POD)
+# A kind whose CRD may be missing (KEDA's ScaledObject) is not watched, which would warn at every start
+# in clusters without it; the drift loop recreates a deleted one.
+WATCHED_CHILD_KINDS = (*(kind for kind in ALL_CHILD_KINDS if kind not in OPTIONAL_CHILD_KINDS), POD)
 
 
 def plain(body: Mapping[str, Any]) -> dict[str, Any]:

@@ -15,7 +15,16 @@ from typing import Any
 import kopf
 
 from m3stack.operator.apply import M3DEPLOYMENT, POD, ApiError, Cluster
-from m3stack.operator.render import ALL_CHILD_KINDS, DEPLOYMENT, Images, kind_of, render_children
+from m3stack.operator.render import (
+    ALL_CHILD_KINDS,
+    DEPLOYMENT,
+    OPTIONAL_CHILD_KINDS,
+    SHARED_CHILD_KINDS,
+    ChildKind,
+    Images,
+    kind_of,
+    render_children,
+)
 from m3stack.operator.render.names import COMPONENT_LABEL, DEPLOYMENT_LABEL
 from m3stack.operator.spec import M3Deployment
 from m3stack.operator.status import DEGRADED, RECONCILE_FAILED, Observed, compute_status, needs_pods, status_changed
@@ -109,18 +118,27 @@ class Reconciler:
     # --------------------------------------------------------------------------------------------
 
     def _prune(self, m3d: M3Deployment, children: list[dict[str, Any]]) -> None:
-        """Deletes children of kinds no longer rendered (an HPA after autoscaling is turned off, an
-        Ingress after exposure.ingress is removed).  Rendered kinds keep their fixed names, so only
-        the absent kinds can hold leftovers."""
-        rendered = {kind_of(child) for child in children}
+        """Deletes children no longer rendered (an HPA after autoscaling is turned off, an Ingress after
+        exposure.ingress is removed).  Rendered children keep their fixed names, so only the absent kinds,
+        and the kinds a resource can own several of, can hold leftovers."""
+        rendered = {(kind_of(child), child["metadata"]["name"]) for child in children}
+        rendered_kinds = {kind for kind, _ in rendered}
         for kind in ALL_CHILD_KINDS:
-            if kind in rendered:
+            if kind in rendered_kinds and kind not in SHARED_CHILD_KINDS:
                 continue
-            for stale in self.cluster.list(kind, m3d.namespace, f"{DEPLOYMENT_LABEL}={m3d.name}"):
-                if controlled_by(stale, m3d.uid):
-                    meta = stale["metadata"]
+            for stale in self._list_children(kind, m3d):
+                meta = stale["metadata"]
+                if (kind, meta["name"]) not in rendered and controlled_by(stale, m3d.uid):
                     logger.info("deleting %s %s/%s: no longer wanted", kind.kind, m3d.namespace, meta["name"])
                     self.cluster.delete(kind, m3d.namespace, meta["name"], meta["uid"])
+
+    def _list_children(self, kind: ChildKind, m3d: M3Deployment) -> list[dict[str, Any]]:
+        try:
+            return self.cluster.list(kind, m3d.namespace, f"{DEPLOYMENT_LABEL}={m3d.name}")
+        except ApiError as error:
+            if error.status == 404 and kind in OPTIONAL_CHILD_KINDS:
+                return []  # the kind's CRD is not installed, so nothing of it exists
+            raise
 
     def _observe(self, m3d: M3Deployment, reconcile_error: str | None, seen: list[dict[str, Any]] | None) -> Observed:
         selector = f"{DEPLOYMENT_LABEL}={m3d.name}"

@@ -3,8 +3,10 @@
 Nothing here imports torch, so the CLI can check its arguments before paying for that import.
 """
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
+
+from m3stack.engine.distributed.config import ParallelConfig
 
 
 def model_folder(model: str) -> Path:
@@ -39,6 +41,8 @@ class EngineConfig:
     num_kv_blocks: int | None = None  # exact KV block count (tests, benchmarks); overrides kv_cache_gb
     cpu_threads: int | None = None  # torch intra-op threads; None: torch's default
     seed: int = 0
+    # Tensor/expert parallelism over several GPUs (and nodes): engine.distributed.
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
 
 
 @dataclass(frozen=True)

@@ -8,6 +8,7 @@ to prune when a child stops being wanted, and what RBAC it needs.
 from dataclasses import dataclass
 from typing import Any
 
+from m3stack.operator.render.autoscaling import engine_autoscaler, engine_scaled_object
 from m3stack.operator.render.config import config_hash, config_map, engine_environment, gateway_environment
 from m3stack.operator.render.engine import engine_deployment, engine_disruption_budget, engine_service
 from m3stack.operator.render.exposure import ingress
@@ -42,7 +43,20 @@ DEPLOYMENT = ChildKind("apps/v1", "Deployment")
 POD_DISRUPTION_BUDGET = ChildKind("policy/v1", "PodDisruptionBudget")
 HORIZONTAL_POD_AUTOSCALER = ChildKind("autoscaling/v2", "HorizontalPodAutoscaler")
 INGRESS = ChildKind("networking.k8s.io/v1", "Ingress")
-ALL_CHILD_KINDS = (CONFIG_MAP, SERVICE, DEPLOYMENT, POD_DISRUPTION_BUDGET, HORIZONTAL_POD_AUTOSCALER, INGRESS)
+SCALED_OBJECT = ChildKind("keda.sh/v1alpha1", "ScaledObject")
+ALL_CHILD_KINDS = (
+    CONFIG_MAP,
+    SERVICE,
+    DEPLOYMENT,
+    POD_DISRUPTION_BUDGET,
+    HORIZONTAL_POD_AUTOSCALER,
+    INGRESS,
+    SCALED_OBJECT,
+)
+# Kinds whose CRD may not be installed (KEDA's): not watched, and a cluster without them holds none.
+OPTIONAL_CHILD_KINDS = (SCALED_OBJECT,)
+# Kinds a resource may own more than one of (the gateway's and the engines' HPA): pruned by name.
+SHARED_CHILD_KINDS = (HORIZONTAL_POD_AUTOSCALER,)
 
 
 def kind_of(manifest: Manifest) -> ChildKind:
@@ -63,6 +77,10 @@ def render_children(m3d: M3Deployment, images: Images) -> list[Manifest]:
     ]
     if spec.gateway_autoscaling.enabled and not spec.suspend:
         children.append(gateway_autoscaler(m3d))
+    if spec.engine_autoscaling.mode == "KEDA" and not spec.suspend:
+        children.append(engine_scaled_object(m3d))
+    if spec.engine_autoscaling.mode == "HPA" and not spec.suspend:
+        children.append(engine_autoscaler(m3d))
     if spec.exposure.ingress is not None:
         children.append(ingress(m3d, spec.exposure.ingress))
     return children
