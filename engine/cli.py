@@ -82,6 +82,28 @@ def add_arguments(opts: OptionGroup) -> None:
     )
     opts.flag("--disable-prefix-caching", help="never share KV blocks between requests")
     opts.flag("--enforce-eager", help="no CUDA graphs for decode steps")
+    opts.add(
+        "--tensor-parallel",
+        type=options.positive_int,
+        default=1,
+        help="GPUs one engine spans (one process each; on several nodes with --nnodes): attention heads, MLP rows, "
+        "experts and vocabulary split across them",
+    )
+    opts.flag("--expert-parallel", help="MoE layers: whole experts per GPU instead of a slice of every expert")
+    opts.add("--nnodes", type=options.positive_int, default=1, help="nodes of a multi-node engine (LeaderWorkerSet)")
+    opts.add(
+        "--node-rank",
+        type=options.non_negative_int,
+        default=0,
+        help="this node's index: 0 runs the scheduler and gRPC server, the others only serve their GPUs' ranks",
+    )
+    opts.add("--master-addr", default="127.0.0.1", help="address of node 0, where every rank meets")
+    opts.add(
+        "--master-port",
+        type=options.non_negative_int,
+        default=0,
+        help="rendezvous port on node 0 (0: a free port, one node only)",
+    )
     opts.flag(
         "--disable-async-scheduling",
         help="finish each step before scheduling the next (by default on cuda the host overlaps the GPU)",
@@ -91,8 +113,21 @@ def add_arguments(opts: OptionGroup) -> None:
 def run(args: argparse.Namespace) -> int:
     import asyncio
 
+    from m3stack.engine.distributed.config import ParallelConfig
     from m3stack.engine.runtime.config import EngineConfig, model_folder
 
+    try:
+        parallel = ParallelConfig(
+            tensor_parallel=args.tensor_parallel,
+            expert_parallel=args.expert_parallel,
+            nnodes=args.nnodes,
+            node_rank=args.node_rank,
+            master_addr=args.master_addr,
+            master_port=args.master_port,
+        )
+    except ValueError as exc:
+        logger.error("%s", exc)
+        return 2
     if args.model != "default":  # fail fast, before the seconds torch takes to import
         try:
             model_folder(args.model)
@@ -119,12 +154,17 @@ def run(args: argparse.Namespace) -> int:
             async_scheduling=False if args.disable_async_scheduling else None,
             cpu_threads=args.cpu_threads,
             seed=args.seed,
+            parallel=parallel,
         ),
         grpc=GrpcSettings(host=args.host, port=args.port, max_message_bytes=args.max_message_mb * 2**20),
         metrics_host=args.metrics_host or args.host,
         metrics_port=args.metrics_port,
         drain_timeout_s=args.drain_timeout,
     )
+    if parallel.node_rank > 0:  # a worker node of a multi-node engine: no server, only this node's ranks
+        from m3stack.engine.distributed.engine import run_worker_node
+
+        return run_worker_node(settings.engine)
     try:
         return asyncio.run(serve(settings))
     except KeyboardInterrupt:

@@ -1,0 +1,305 @@
+"""Start a parallel engine: processes, process groups, each rank's shard, a KV cache size every rank agrees on.
+
+One process per GPU.  On the leader node, ``build_parallel_engine_core`` (called by the runtime's builder when
+``--tensor-parallel`` > 1) spawns the node's other ranks, becomes rank 0 and returns the ``EngineCore`` the
+server drives.  On the other nodes of a multi-node engine (LeaderWorkerSet workers), ``run_worker_node``
+spawns that node's ranks and serves as its first one.  Every rank then does the same, in the same order, so
+their collectives meet: join the groups, build and load its shard, size the KV cache (the minimum over ranks
+wins), allocate it.  Workers then loop in ``messages.serve_steps``; rank 0 stops them at exit.
+
+Decode CUDA graphs are off with more than one rank for now (each step runs eagerly on every rank).
+"""
+
+import atexit
+import datetime
+import logging
+import multiprocessing
+import multiprocessing.process
+import os
+import socket
+import threading
+import time
+from dataclasses import dataclass, replace
+
+import torch
+import torch.distributed as dist
+
+from m3stack.engine.distributed.config import MULTICAST_OFF_ENV
+from m3stack.engine.distributed.messages import Channel, LeaderModel, RecordingBackend, serve_steps
+from m3stack.engine.distributed.model import ShardedM3, load_sharded_model
+from m3stack.engine.distributed.sharding import plan_shards
+from m3stack.engine.kv_cache.tensors import allocate_kv_cache
+from m3stack.engine.model.config import load_config
+from m3stack.engine.runtime.builder import (
+    CPU_DEFAULT_KV_GB,
+    assemble_engine_core,
+    make_attention_backend,
+    resolve_dtype,
+)
+from m3stack.engine.runtime.config import EngineConfig, model_folder
+from m3stack.engine.runtime.engine_core import EngineCore
+
+logger = logging.getLogger(__name__)
+
+# How long a worker may wait for rank 0's next message: an idle engine sends none.
+CONTROL_TIMEOUT = datetime.timedelta(days=365)
+COLLECTIVE_TIMEOUT = datetime.timedelta(minutes=30)
+STOP_JOIN_SECONDS = 30.0
+# Float32 copies of the sampled rows' logits the sampler may hold at once (rank 0's profile headroom).
+SAMPLER_LOGIT_COPIES = 3
+
+
+@dataclass
+class RankState:
+    """What one rank built: its shard, where it runs, the groups, the agreed KV block count (null block included)."""
+
+    model: ShardedM3
+    device: torch.device
+    dtype: torch.dtype
+    channel: Channel
+    num_blocks: int
+
+
+def disable_multicast() -> None:
+    """Before any CUDA/NCCL initialisation, and inherited by every process started from here."""
+    for name, value in MULTICAST_OFF_ENV.items():
+        os.environ[name] = value
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
+def rank_device(device: str, local_rank: int) -> torch.device:
+    if device == "cpu" or (device == "auto" and not torch.cuda.is_available()):
+        return torch.device("cpu")
+    if not torch.cuda.is_available():
+        raise ValueError("--device cuda was asked for but torch sees no CUDA device")
+    if local_rank >= torch.cuda.device_count():
+        raise ValueError(
+            f"local rank {local_rank} needs GPU {local_rank}, but this node has {torch.cuda.device_count()}"
+        )
+    return torch.device("cuda", local_rank)
+
+
+def start_rank(config: EngineConfig, rank: int, local_rank: int) -> RankState:
+    """Join the groups, build and load this rank's shard, agree on the KV cache size."""
+    parallel = config.parallel
+    device = rank_device(config.device, local_rank)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    dtype = resolve_dtype(config.dtype, device)
+    if config.cpu_threads:
+        torch.set_num_threads(config.cpu_threads)
+    folder = model_folder(config.model)
+    # Fail on a model that cannot be split before joining: every rank finds the same error.
+    plan = plan_shards(load_config(folder).text, parallel.tensor_parallel, rank, parallel.expert_parallel)
+    address = f"tcp://{parallel.master_addr}:{parallel.master_port}"
+    logger.info("rank %d/%d (%s) joining %s", rank, parallel.tensor_parallel, device, address)
+    dist.init_process_group(
+        "nccl" if device.type == "cuda" else "gloo",
+        init_method=address,
+        rank=rank,
+        world_size=parallel.tensor_parallel,
+        timeout=COLLECTIVE_TIMEOUT,
+        device_id=device if device.type == "cuda" else None,
+    )
+    control = dist.new_group(backend="gloo", timeout=CONTROL_TIMEOUT)
+    channel = Channel(control, device)
+    model, _ = load_sharded_model(folder, plan, device, dtype)
+    num_blocks = _agree_num_blocks(config, model, device, dtype, channel)
+    return RankState(model, device, dtype, channel, num_blocks)
+
+
+def _agree_num_blocks(
+    config: EngineConfig, model: ShardedM3, device: torch.device, dtype: torch.dtype, channel: Channel
+) -> int:
+    spec = model.kv_cache_spec(dtype)
+    if config.num_kv_blocks is not None:
+        blocks = config.num_kv_blocks + 1
+    elif config.kv_cache_gb is not None or device.type != "cuda":
+        blocks = int((config.kv_cache_gb or CPU_DEFAULT_KV_GB) * 2**30 // spec.bytes_per_page)
+    else:
+        peak = _profile_peak_bytes(config, model, device, dtype)
+        free, total = torch.cuda.mem_get_info(device)
+        budget = total * config.gpu_memory_utilization - (total - free) - peak
+        logger.info(
+            "rank %d: step peak %.2f GiB, %.1f GiB for the KV cache", dist.get_rank(), peak / 2**30, budget / 2**30
+        )
+        blocks = int(budget // spec.bytes_per_page)
+    agreed = torch.tensor([blocks], dtype=torch.int64)
+    dist.all_reduce(agreed, op=dist.ReduceOp.MIN, group=channel.control)
+    if int(agreed) < 2:
+        raise ValueError(f"no room for a KV cache on some rank: {int(agreed)} blocks")
+    return int(agreed)
+
+
+def _profile_peak_bytes(config: EngineConfig, model: ShardedM3, device: torch.device, dtype: torch.dtype) -> int:
+    """Peak bytes of one full-budget prefill forward plus its logits, run on every rank at once."""
+    from m3stack.engine.attention.metadata import AttentionMetadata
+
+    spec = model.kv_cache_spec(dtype)
+    tokens = config.max_num_batched_tokens
+    sampled = min(config.max_num_seqs, tokens)
+    pages = -(-tokens // spec.block_size)
+    torch.cuda.synchronize(device)
+    torch.cuda.empty_cache()
+    before = torch.cuda.memory_allocated(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    caches = allocate_kv_cache(spec, pages + 1, device)
+    cache_bytes = torch.cuda.memory_allocated(device) - before
+    backend = make_attention_backend(caches, model.local_config(), device)
+    starts = torch.tensor([0, tokens], dtype=torch.int32)
+    lens = torch.tensor([tokens], dtype=torch.int32)
+    positions = torch.arange(tokens, device=device)
+    metadata = AttentionMetadata(
+        block_size=spec.block_size,
+        query_start_loc=starts.to(device),
+        seq_lens=lens.to(device),
+        positions=positions,
+        slot_mapping=positions + spec.block_size,
+        page_table=torch.arange(1, pages + 1, dtype=torch.int32, device=device)[None],
+        query_start_loc_cpu=starts,
+        seq_lens_cpu=lens,
+    )
+    with torch.inference_mode():
+        backend.begin_step(metadata)
+        hidden = model.forward(torch.zeros(tokens, dtype=torch.int64, device=device), positions, backend)
+        model.compute_logits(hidden[-sampled:])
+    torch.cuda.synchronize(device)
+    peak = torch.cuda.max_memory_allocated(device) - before - cache_bytes
+    del caches, backend, hidden
+    torch.cuda.empty_cache()
+    if dist.get_rank() == 0:
+        peak += SAMPLER_LOGIT_COPIES * sampled * model.config.text.vocab_size * 4
+    return int(peak)
+
+
+def _spawn_ranks(config: EngineConfig) -> list[multiprocessing.process.BaseProcess]:
+    """This node's ranks after its first one, as child processes."""
+    parallel = config.parallel
+    context = multiprocessing.get_context("spawn")
+    processes = []
+    for local_rank in range(1, parallel.ranks_per_node):
+        rank = parallel.first_rank + local_rank
+        process = context.Process(
+            target=run_worker, args=(config, rank, local_rank), name=f"m3stack-rank{rank}", daemon=True
+        )
+        process.start()
+        processes.append(process)
+    return processes
+
+
+def _watch_parent() -> None:
+    """A spawned rank exits when the process that started it is gone (killed engines leave no orphans)."""
+    parent = os.getppid()
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(1.0)
+        os._exit(1)
+
+    threading.Thread(target=watch, name="parent-watch", daemon=True).start()
+
+
+def run_worker(config: EngineConfig, rank: int, local_rank: int) -> None:
+    """One worker rank, to the end: build, then replay rank 0's calls until it says STOP."""
+    if local_rank:
+        from m3stack.logs import configure_logging
+
+        configure_logging()
+        _watch_parent()
+    state = start_rank(config, rank, local_rank)
+    caches = allocate_kv_cache(state.model.kv_cache_spec(state.dtype), state.num_blocks, state.device)
+    backend = make_attention_backend(caches, state.model.local_config(), state.device)
+    serve_steps(state.model, backend, state.channel)
+    dist.destroy_process_group()
+
+
+def run_worker_node(config: EngineConfig) -> int:
+    """A non-leader node of a multi-node engine: its ranks run until the leader stops them (or dies)."""
+    disable_multicast()
+    processes = _spawn_ranks(config)
+    try:
+        run_worker(config, config.parallel.first_rank, 0)
+    finally:
+        for process in processes:
+            process.join(STOP_JOIN_SECONDS)
+    return max((abs(p.exitcode or 0) for p in processes), default=0)
+
+
+def build_parallel_engine_core(config: EngineConfig) -> EngineCore:
+    """Rank 0 of a parallel engine (the leader node's first process); the other ranks start from here."""
+    parallel = config.parallel
+    if parallel.node_rank != 0:
+        raise ValueError("only the leader node (--node-rank 0) builds the engine core")
+    disable_multicast()
+    if not parallel.master_port:
+        config = replace(config, parallel=replace(parallel, master_port=free_port()))
+    processes = _spawn_ranks(config)
+    try:
+        state = start_rank(config, 0, 0)
+    except BaseException:
+        for process in processes:
+            process.kill()
+        raise
+    leader = LeaderModel(state.model, state.channel)
+    # Decode graphs would capture rank 0 alone; the agreed block count replaces the builder's own sizing.
+    engine_config = replace(config, cuda_graphs=False, num_kv_blocks=state.num_blocks - 1)
+    core = assemble_engine_core(
+        engine_config,
+        leader,
+        state.model.local_config(),
+        model_path=str(model_folder(config.model)),  # type: ignore[arg-type]
+        device=state.device,
+        dtype=state.dtype,
+        backend_wrapper=RecordingBackend,
+    )
+    stop = _Stopper(leader, processes)
+    _STOPPERS[id(core)] = stop
+    atexit.register(stop)
+    logger.info(
+        "parallel engine: %d ranks (%s), %d KV blocks per rank",
+        parallel.tensor_parallel,
+        "expert-parallel MoE" if parallel.expert_parallel else "tensor-parallel MoE",
+        state.num_blocks - 1,
+    )
+    return core
+
+
+class _Stopper:
+    """Stops a parallel engine's workers once (at interpreter exit, or earlier through ``stop_parallel_engine``)."""
+
+    def __init__(self, leader: LeaderModel, processes: list[multiprocessing.process.BaseProcess]) -> None:
+        self.leader = leader
+        self.processes = processes
+        self.done = False
+
+    def __call__(self) -> None:
+        if self.done:
+            return
+        self.done = True
+        try:
+            self.leader.stop_workers()
+        except Exception:
+            logger.exception("could not tell the workers to stop")
+        for process in self.processes:
+            process.join(STOP_JOIN_SECONDS)
+            if process.is_alive():
+                process.kill()
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+_STOPPERS: dict[int, _Stopper] = {}
+
+
+def stop_parallel_engine(core: EngineCore) -> None:
+    """Stop the workers of a parallel engine built in this process and leave its process groups."""
+    stop = _STOPPERS.pop(id(core), None)
+    if stop is None:
+        raise ValueError("this EngineCore is not a running parallel engine")
+    atexit.unregister(stop)
+    stop()

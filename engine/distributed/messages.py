@@ -1,0 +1,215 @@
+"""Rank 0 tells the other ranks what to run; they run it.  One message per model call.
+
+A message is a fixed-size header broadcast over the control group (gloo, host memory: a waiting worker blocks
+on a socket, not on a GPU collective that would time out while the engine is idle), then its tensors over the
+default group (NCCL on GPUs), sent straight from rank 0's device buffers with no host round trip::
+
+    FORWARD  [T, R, P, M, block_size]  ints [3T + 2R + 1 + R*P + M] (ids, positions, slots, query starts,
+                                       context lengths, page table, vision rows), then vision embeddings [M, H]
+    LOGITS   [n, H]                    the hidden rows whose logits are sampled [n, H]
+    STOP     []                        the engine is shutting down
+
+Rank 0's runner is unchanged: ``RecordingBackend`` remembers the step's ``AttentionMetadata`` at
+``begin_step``, and ``LeaderModel`` sends each forward and logits call before running its own shard.  Inputs
+are sent after the runner has filled them on the device (async scheduling's placeholder tokens included), so
+workers never need the sampled tokens.  The vision tower runs on rank 0 only; its embeddings travel with the
+forward that uses them.
+"""
+
+import enum
+import logging
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from m3stack.engine.attention.backend import AttentionBackend
+from m3stack.engine.attention.metadata import AttentionMetadata
+from m3stack.engine.distributed.model import ShardedM3
+from m3stack.engine.kv_cache.tensors import KVCacheSpec
+from m3stack.engine.model.vision import Modality
+
+logger = logging.getLogger(__name__)
+
+HEADER_LEN = 8
+
+
+class Op(enum.IntEnum):
+    FORWARD = 1
+    LOGITS = 2
+    STOP = 3
+
+
+@dataclass(frozen=True)
+class Channel:
+    control: dist.ProcessGroup  # gloo: headers
+    device: torch.device  # where the tensors of a message live (the default group's device)
+
+
+def _header(channel: Channel, values: list[int] | None = None) -> list[int]:
+    """Broadcast ``values`` from rank 0 (pass None elsewhere) and return them on every rank."""
+    tensor = torch.zeros(HEADER_LEN, dtype=torch.int64)
+    if values is not None:
+        tensor[: len(values)] = torch.tensor(values, dtype=torch.int64)
+    dist.broadcast(tensor, src=0, group=channel.control)
+    return tensor.tolist()
+
+
+class RecordingBackend:
+    """Rank 0's attention backend, remembering the metadata of the step being planned."""
+
+    def __init__(self, inner: AttentionBackend) -> None:
+        self.inner = inner
+        self.metadata: AttentionMetadata | None = None
+
+    def begin_step(self, metadata: AttentionMetadata) -> None:
+        self.metadata = metadata
+        self.inner.begin_step(metadata)
+
+    def dense(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return self.inner.dense(layer, q, k, v)
+
+    def sparse(
+        self,
+        layer: int,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        index_q: torch.Tensor,
+        index_k: torch.Tensor,
+    ) -> torch.Tensor:
+        return self.inner.sparse(layer, q, k, v, index_q, index_k)
+
+
+class LeaderModel:
+    """Rank 0's model for the runner: every forward and logits call goes to all ranks, then runs here.
+
+    A call that fails after its message went out leaves the workers inside a collective that rank 0 will not
+    reach: the engine is then unusable, and says so on every later call instead of hanging.
+    """
+
+    def __init__(self, model: ShardedM3, channel: Channel) -> None:
+        self.model = model
+        self.channel = channel
+        self.config = model.config
+        self.dtype = model.dtype
+        self.failure: str | None = None
+
+    def kv_cache_spec(self, dtype: torch.dtype | None = None) -> KVCacheSpec:
+        return self.model.kv_cache_spec(dtype)
+
+    def encode_vision(
+        self, pixel_values: torch.Tensor, grid_thw: torch.Tensor, modality: Modality | str
+    ) -> torch.Tensor:
+        return self.model.encode_vision(pixel_values, grid_thw, modality)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        attn: AttentionBackend,
+        mm_positions: torch.Tensor | None = None,
+        mm_embeds: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        if not isinstance(attn, RecordingBackend) or attn.metadata is None:
+            raise TypeError("the parallel engine's runner must plan the step through its RecordingBackend")
+        self._check()
+        md = attn.metadata
+        num_rows = 0 if mm_positions is None else int(mm_positions.shape[0])
+        ints = [input_ids, positions, md.slot_mapping, md.query_start_loc, md.seq_lens, md.page_table.flatten()]
+        if mm_positions is not None:
+            ints.append(mm_positions)
+        _header(
+            self.channel,
+            [Op.FORWARD, input_ids.shape[0], md.seq_lens.shape[0], md.page_table.shape[1], num_rows, md.block_size],
+        )
+        return self._run(lambda: self._forward(ints, input_ids, positions, attn, mm_positions, mm_embeds))
+
+    def _forward(
+        self,
+        ints: list[torch.Tensor],
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        attn: AttentionBackend,
+        mm_positions: torch.Tensor | None,
+        mm_embeds: torch.Tensor | None,
+    ) -> torch.Tensor:
+        dist.broadcast(torch.cat([t.to(torch.int64) for t in ints]), src=0)
+        if mm_positions is not None and mm_embeds is not None:
+            mm_embeds = mm_embeds.to(self.dtype).contiguous()
+            dist.broadcast(mm_embeds, src=0)
+        return self.model.forward(input_ids, positions, attn, mm_positions, mm_embeds)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        self._check()
+        hidden = hidden.contiguous()
+        _header(self.channel, [Op.LOGITS, hidden.shape[0], hidden.shape[1]])
+        return self._run(lambda: self._logits(hidden))
+
+    def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        dist.broadcast(hidden, src=0)
+        return self.model.compute_logits(hidden)
+
+    def stop_workers(self) -> None:
+        """Tell every worker to leave its loop (the engine is shutting down)."""
+        if self.failure is None:
+            _header(self.channel, [Op.STOP])
+
+    def _check(self) -> None:
+        if self.failure is not None:
+            raise RuntimeError(f"the parallel engine is out of step with its workers since: {self.failure}")
+
+    def _run(self, call):  # type: ignore[no-untyped-def]
+        try:
+            return call()
+        except Exception as exc:
+            self.failure = f"{type(exc).__name__}: {exc}"
+            logger.critical("a parallel forward failed after the workers joined it; the engine must restart")
+            raise
+
+
+def _receive_forward(header: list[int], model: ShardedM3, channel: Channel) -> tuple:
+    num_tokens, num_requests, width, num_rows, block_size = header[1:6]
+    sizes = [num_tokens, num_tokens, num_tokens, num_requests + 1, num_requests, num_requests * width, num_rows]
+    ints = torch.empty(sum(sizes), dtype=torch.int64, device=channel.device)
+    dist.broadcast(ints, src=0)
+    ids, positions, slots, starts, seq_lens, pages, rows = ints.split(sizes)
+    starts, seq_lens = starts.to(torch.int32), seq_lens.to(torch.int32)
+    metadata = AttentionMetadata(
+        block_size=block_size,
+        query_start_loc=starts,
+        seq_lens=seq_lens,
+        positions=positions,
+        slot_mapping=slots,
+        page_table=pages.to(torch.int32).view(num_requests, width),
+        query_start_loc_cpu=starts.cpu(),
+        seq_lens_cpu=seq_lens.cpu(),
+    )
+    embeds = None
+    if num_rows:
+        embeds = torch.empty((num_rows, model.config.text.hidden_size), dtype=model.dtype, device=channel.device)
+        dist.broadcast(embeds, src=0)
+    return metadata, ids, positions, (rows if num_rows else None), embeds
+
+
+@torch.inference_mode()
+def serve_steps(model: ShardedM3, backend: AttentionBackend, channel: Channel) -> int:
+    """A worker's loop: replay rank 0's calls until STOP; returns the number of forwards run."""
+    forwards = 0
+    while True:
+        header = _header(channel)
+        op = header[0]
+        if op == Op.FORWARD:
+            metadata, ids, positions, rows, embeds = _receive_forward(header, model, channel)
+            backend.begin_step(metadata)
+            model.forward(ids, positions, backend, rows, embeds)
+            forwards += 1
+        elif op == Op.LOGITS:
+            hidden = torch.empty((header[1], header[2]), dtype=model.dtype, device=channel.device)
+            dist.broadcast(hidden, src=0)
+            model.compute_logits(hidden)
+        elif op == Op.STOP:
+            logger.info("rank %d stops after %d forwards", dist.get_rank(), forwards)
+            return forwards
+        else:
+            raise RuntimeError(f"unknown message {header} from rank 0")
