@@ -83,6 +83,14 @@ def add_arguments(opts: OptionGroup) -> None:
     opts.flag("--disable-prefix-caching", help="never share KV blocks between requests")
     opts.flag("--enforce-eager", help="no CUDA graphs for decode steps")
     opts.add(
+        "--attention",
+        default="auto",
+        choices=["auto", "msa", "dense", "naive"],
+        help="attention path: msa = Triton MSA kernels + FlashInfer (auto on cuda); dense = every layer as full "
+        "attention on the same backend (a baseline); naive = the plain-PyTorch reference, gather + query-major "
+        "(auto on cpu)",
+    )
+    opts.add(
         "--tensor-parallel",
         type=options.positive_int,
         default=1,
@@ -153,6 +161,7 @@ def run(args: argparse.Namespace) -> int:
             cuda_graphs=not args.enforce_eager,
             async_scheduling=False if args.disable_async_scheduling else None,
             cpu_threads=args.cpu_threads,
+            attention=args.attention,
             seed=args.seed,
             parallel=parallel,
         ),

@@ -14,11 +14,13 @@ from pathlib import Path
 import torch
 
 from m3stack.engine.attention.backend import AttentionBackend
+from m3stack.engine.attention.dense_only import DenseOnlyAttention, dense_kv_spec
 from m3stack.engine.attention.reference import ReferenceAttentionBackend
 from m3stack.engine.kv_cache.tensors import KVCacheSpec, LayerKVCache, allocate_kv_cache
 from m3stack.engine.model.config import M3Config
 from m3stack.engine.model.loader import load_model
 from m3stack.engine.model.model import M3ForServing
+from m3stack.engine.msa.launch import triton_interpreted
 from m3stack.engine.runtime.config import EngineConfig, ModelInfo, model_folder
 from m3stack.engine.runtime.cuda_graphs import DecodeGraphs
 from m3stack.engine.runtime.encoder_cache import EncoderCache
@@ -31,6 +33,8 @@ from m3stack.engine.runtime.scheduler import Scheduler, SchedulerConfig
 logger = logging.getLogger(__name__)
 
 CPU_DEFAULT_KV_GB = 1.0
+# --attention: the optimized MSA engine, every layer dense on the same backend, the plain-PyTorch reference.
+ATTENTION_MODES = ("auto", "msa", "dense", "naive")
 DEFAULT_ENCODER_CACHE_EMBEDS = 16384
 
 
@@ -48,24 +52,37 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     return {"bfloat16": torch.bfloat16, "float32": torch.float32}[name]
 
 
-def make_attention_backend(kv_caches: list[LayerKVCache], config: M3Config, device: torch.device) -> AttentionBackend:
+def make_attention_backend(
+    kv_caches: list[LayerKVCache], config: M3Config, device: torch.device, *, mode: str = "auto"
+) -> AttentionBackend:
+    """The one place that picks the attention implementation (``--attention``, see ``ATTENTION_MODES``).
+
+    ``msa`` is the GPU backend (Triton MSA kernels, FlashInfer): on cuda, or on cpu under
+    ``TRITON_INTERPRET=1`` (tests).  ``dense`` runs every layer through the dense path of the backend
+    the device gets (the cache then has no index keys: ``dense_kv_spec``).  ``naive`` is the
+    plain-PyTorch reference backend on any device.  ``auto``: ``msa`` on cuda, ``naive`` on cpu.
+    """
+    if mode not in ATTENTION_MODES:
+        raise ValueError(f"unknown attention mode {mode!r}; choose from {', '.join(ATTENTION_MODES)}")
     text = config.text
-    if device.type == "cuda":
+    selection = {"topk_blocks": text.index_topk_blocks, "local_blocks": text.index_local_blocks}
+    kernels = device.type == "cuda" if mode in ("auto", "dense") else mode == "msa"
+    if mode == "msa" and not (device.type == "cuda" or triton_interpreted()):
+        raise ValueError("--attention msa runs the Triton/FlashInfer kernels: it needs --device cuda")
+    backend: AttentionBackend | None = None
+    if kernels:
         try:
             from m3stack.engine.attention.gpu import GpuAttentionBackend
         except ImportError as exc:
+            if mode == "msa":
+                raise
             logger.warning("the CUDA attention backend is unavailable (%s); using the reference backend", exc)
         else:
             # num_q_heads lets begin_step plan every layer up front, which CUDA-graph capture needs.
-            return GpuAttentionBackend(
-                kv_caches,
-                topk_blocks=text.index_topk_blocks,
-                local_blocks=text.index_local_blocks,
-                num_q_heads=text.num_heads,
-            )
-    return ReferenceAttentionBackend(
-        kv_caches, topk_blocks=text.index_topk_blocks, local_blocks=text.index_local_blocks
-    )
+            backend = GpuAttentionBackend(kv_caches, num_q_heads=text.num_heads, **selection)
+    if backend is None:
+        backend = ReferenceAttentionBackend(kv_caches, **selection)
+    return DenseOnlyAttention(backend) if mode == "dense" else backend
 
 
 def build_engine_core(config: EngineConfig) -> EngineCore:
@@ -142,11 +159,13 @@ class _Parts:
         self.device = device
         self.dtype = dtype
         self.spec = model.kv_cache_spec(dtype)
+        if config.attention == "dense":
+            self.spec = dense_kv_spec(self.spec)
 
     def core(self, num_blocks: int, max_model_len: int, cuda_graphs: bool) -> EngineCore:
         config, block_size = self.config, self.spec.block_size
         kv_caches = allocate_kv_cache(self.spec, num_blocks, self.device)
-        backend = make_attention_backend(kv_caches, self.m3, self.device)
+        backend = make_attention_backend(kv_caches, self.m3, self.device, mode=self.config.attention)
         if self.backend_wrapper is not None:
             backend = self.backend_wrapper(backend)
         info = _model_info(config, self.model_path, self.m3, max_model_len, block_size, num_blocks, self.dtype,

@@ -40,6 +40,7 @@ class EngineConfig:
     encoder_cache_embeds: int | None = None  # None: max(max_num_batched_tokens, 16384)
     num_kv_blocks: int | None = None  # exact KV block count (tests, benchmarks); overrides kv_cache_gb
     cpu_threads: int | None = None  # torch intra-op threads; None: torch's default
+    attention: str = "auto"  # auto | msa | dense | naive (builder.make_attention_backend)
     seed: int = 0
     # Tensor/expert parallelism over several GPUs (and nodes): engine.distributed.
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
