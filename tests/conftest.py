@@ -5,6 +5,12 @@ from pathlib import Path
 
 import pytest
 
+# Without a GPU (CI), Triton kernels run in its CPU interpreter.  The switch is read when a kernel is
+# decorated and when triton.language is first imported (its own jit helpers such as tl.cdiv), so it
+# must be set before anything imports triton (torch and transformers can): here, pytest's first import.
+if "TRITON_INTERPRET" not in os.environ and not os.path.exists("/dev/nvidiactl"):
+    os.environ["TRITON_INTERPRET"] = "1"
+
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
 # One intra-op thread per test process (read by torch when it is first imported): CI runs one xdist worker per

@@ -89,7 +89,7 @@ def _scan_kernel(
     first_local = q_block + 1 - tl.minimum(q_block + 1, LOCAL)  # column's candidates: blocks < this
     last_block = (seq_len - 1) // B
     num_candidates = last_block + 1 - tl.minimum(last_block + 1, LOCAL)
-    per_split = tl.cdiv(num_candidates, num_splits)
+    per_split = (num_candidates + num_splits - 1) // num_splits
     block_lo = split * per_split
     block_hi = tl.minimum(block_lo + per_split, num_candidates)
 
@@ -108,7 +108,7 @@ def _scan_kernel(
     top = _empty_slot(N, KP)  # [N, KP] running top-K per column
     page_row = page_table_ptr + request.to(tl.int64) * stride_pt
     for first in range(block_lo, block_hi, PAGES):
-        row_page = tl.zeros([PAGES * B], tl.int64)
+        row_page = tl.full([PAGES * B], 0, tl.int64)
         for p in tl.static_range(PAGES):
             page = tl.load(page_row + first + p, mask=first + p < block_hi, other=0).to(tl.int64)
             row_page = tl.where(page_of_row == p, page, row_page)
@@ -123,7 +123,7 @@ def _scan_kernel(
         for p in tl.static_range(PAGES):
             block = first + p
             score = tl.max(tl.where(page_slot == p, block_max, float("-inf")), axis=0)  # [N]
-            candidate = _pack(score, tl.zeros([N], tl.int32) + block)
+            candidate = _pack(score, tl.full([N], 0, tl.int32) + block)
             worst = tl.min(top, axis=1)
             take = (candidate > worst) & (block < first_local) & (block < block_hi)
             top = tl.where((top == worst[:, None]) & take[:, None], candidate[:, None], top)

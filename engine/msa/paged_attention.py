@@ -78,8 +78,8 @@ def _attention_kernel(
     q = tl.load(q_ptr + token.to(tl.int64) * stride_qt + q_heads[:, None] * stride_qh + dims[None, :],
                 mask=(groups < G)[:, None], other=0.0)  # fmt: skip
     m_i = tl.full([GP], float("-inf"), tl.float32)
-    l_i = tl.zeros([GP], tl.float32)
-    acc = tl.zeros([GP, D], tl.float32)
+    l_i = tl.full([GP], 0, tl.float32)
+    acc = tl.full([GP, D], 0, tl.float32)
     for j in range(lo, hi):
         if DENSE:
             tile = tl.load(page_row + j).to(tl.int64) * stride_kp + head * stride_kh
@@ -123,8 +123,8 @@ def _merge_kernel(
     groups = tl.arange(0, GP)
     dims = tl.arange(0, D)
     m = tl.full([GP], float("-inf"), tl.float32)
-    total = tl.zeros([GP], tl.float32)
-    acc = tl.zeros([GP, D], tl.float32)
+    total = tl.full([GP], 0, tl.float32)
+    acc = tl.full([GP, D], 0, tl.float32)
     for split in range(num_splits):
         base = (row * num_splits + split).to(tl.int64) * GP
         lse = tl.load(partial_lse_ptr + base + groups)
