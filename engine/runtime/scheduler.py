@@ -218,6 +218,7 @@ class Scheduler:
                 break
             if request.num_pending_tokens:
                 continue  # preempted while a step sampled for it: readmitted once that token is known
+            # Looked up again: admitting the previous request may have evicted blocks of this prefix.
             cached_prefix = self.kv.find_cached_prefix(request)
             num_cached = len(cached_prefix) * self.kv.block_size
             whole_context = self.kv.num_new_blocks(request, request.num_tokens - num_cached, cached_prefix)
@@ -243,7 +244,7 @@ class Scheduler:
     def _waiting_order(self) -> list[Request]:
         """Priority first; then, among the oldest ``prefix_order_window``, the longest cached prefix."""
         window = sorted(self.waiting, key=lambda r: (r.priority, r.arrival_time))[: self.config.prefix_order_window]
-        if not self.kv.enable_prefix_caching:
+        if not self.kv.enable_prefix_caching or len(window) == 1:
             return window
         now = time.monotonic()
 
