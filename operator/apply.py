@@ -31,6 +31,7 @@ PLURALS = {
     "HorizontalPodAutoscaler": "horizontalpodautoscalers",
     "Ingress": "ingresses",
     "ScaledObject": "scaledobjects",
+    "LeaderWorkerSet": "leaderworkersets",
     "Pod": "pods",
     "Event": "events",
     KIND: PLURAL,

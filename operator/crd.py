@@ -255,8 +255,35 @@ ENGINE_SCHEMA = obj(
             rules=[rule("!has(self.product) || self.count > 0", "accelerator.product needs accelerator.count > 0")],
         ),
         "parallelism": obj(
-            "How one engine spreads the model over its devices.",
-            {"tensor": integer("Tensor-parallel degree.", default=1, minimum=1, maximum=16)},
+            "How one engine spreads the model over its devices (engine flags --tensor-parallel, --expert-parallel).",
+            {
+                "tensor": integer(
+                    "Tensor-parallel degree: GPUs of one engine, over all its nodes (accelerator.count x "
+                    "multiNode.size when multiNode.size > 1).",
+                    default=1,
+                    minimum=1,
+                    maximum=512,
+                ),
+                "expert": boolean(
+                    "MoE layers: whole experts per GPU (expert parallelism) instead of a slice of every expert.",
+                    default=False,
+                ),
+            },
+            default={},
+        ),
+        "multiNode": obj(
+            "One engine over several nodes: with size > 1 each engine replica is a LeaderWorkerSet group of `size` "
+            "pods (the leader schedules and serves gRPC; workers join it at the leader's address).  Needs the "
+            "LeaderWorkerSet CRD and controller (sigs.k8s.io/lws) in the cluster.",
+            {
+                "size": integer("Pods (nodes) per engine.", default=1, minimum=1, maximum=64),
+                "rendezvousPort": integer(
+                    "Port on the leader where the engine's ranks meet (torch.distributed).",
+                    default=29500,
+                    minimum=1024,
+                    maximum=65535,
+                ),
+            },
             default={},
         ),
         "resources": _resources(
@@ -300,9 +327,23 @@ ENGINE_SCHEMA = obj(
     rules=[
         rule("self.grpcPort != self.metricsPort", "engine.grpcPort and engine.metricsPort must differ"),
         rule(
-            "self.accelerator.count == 0 || self.parallelism.tensor <= self.accelerator.count",
+            "self.multiNode.size > 1 || self.accelerator.count == 0 "
+            "|| self.parallelism.tensor <= self.accelerator.count",
             "parallelism.tensor must not exceed accelerator.count",
             field_path=".parallelism.tensor",
+        ),
+        rule(
+            "self.multiNode.size == 1 || (self.accelerator.count > 0 "
+            "&& self.parallelism.tensor == self.accelerator.count * self.multiNode.size)",
+            "with multiNode.size > 1, parallelism.tensor must equal accelerator.count x multiNode.size (GPUs per pod "
+            "times pods)",
+            field_path=".parallelism.tensor",
+        ),
+        rule(
+            "self.multiNode.size == 1 || self.multiNode.rendezvousPort != self.grpcPort "
+            "&& self.multiNode.rendezvousPort != self.metricsPort",
+            "engine.multiNode.rendezvousPort must differ from grpcPort and metricsPort",
+            field_path=".multiNode.rendezvousPort",
         ),
     ],
 )

@@ -18,14 +18,17 @@ from m3stack.operator.apply import M3DEPLOYMENT, POD, ApiError, Cluster
 from m3stack.operator.render import (
     ALL_CHILD_KINDS,
     DEPLOYMENT,
+    LEADER_WORKER_SET,
     OPTIONAL_CHILD_KINDS,
     SHARED_CHILD_KINDS,
+    WORKLOAD_KINDS,
     ChildKind,
     Images,
     kind_of,
     render_children,
 )
-from m3stack.operator.render.names import COMPONENT_LABEL, DEPLOYMENT_LABEL
+from m3stack.operator.render.multinode import is_multi_node, workload_view
+from m3stack.operator.render.names import COMPONENT_LABEL, DEPLOYMENT_LABEL, ENGINE
 from m3stack.operator.spec import M3Deployment
 from m3stack.operator.status import DEGRADED, RECONCILE_FAILED, Observed, compute_status, needs_pods, status_changed
 
@@ -91,8 +94,8 @@ class Reconciler:
                 self._write_status(body, m3d, observed_generation=previous_generation, reconcile_error=str(error))
                 raise
             logger.debug("reconciled %s/%s: %d children applied", m3d.namespace, m3d.name, len(children))
-            # The apply responses are the Deployments as they are now: no need to read them again.
-            deployments = [child for child in applied if child.get("kind") == DEPLOYMENT.kind]
+            # The apply responses are the workloads as they are now: no need to read them again.
+            deployments = [child for child in applied if kind_of(child) in WORKLOAD_KINDS]
             self._write_status(body, m3d, observed_generation=m3d.generation, reconcile_error=None, seen=deployments)
 
     def reconcile_by_key(self, namespace: str, name: str) -> None:
@@ -142,9 +145,14 @@ class Reconciler:
 
     def _observe(self, m3d: M3Deployment, reconcile_error: str | None, seen: list[dict[str, Any]] | None) -> Observed:
         selector = f"{DEPLOYMENT_LABEL}={m3d.name}"
-        candidates = self.cluster.list(DEPLOYMENT, m3d.namespace, selector) if seen is None else seen
+        candidates = seen
+        if candidates is None:
+            candidates = self.cluster.list(DEPLOYMENT, m3d.namespace, selector)
+            if is_multi_node(m3d):  # the engines are a LeaderWorkerSet (a Deployment left from before is pruned)
+                candidates = [c for c in candidates if c["metadata"].get("labels", {}).get(COMPONENT_LABEL) != ENGINE]
+                candidates += self._list_children(LEADER_WORKER_SET, m3d)
         deployments = {
-            deployment["metadata"]["labels"][COMPONENT_LABEL]: deployment
+            deployment["metadata"]["labels"][COMPONENT_LABEL]: workload_view(deployment)
             for deployment in candidates
             if controlled_by(deployment, m3d.uid) and COMPONENT_LABEL in deployment["metadata"].get("labels", {})
         }

@@ -76,12 +76,20 @@ class Accelerator:
 
 
 @dataclass(frozen=True)
+class MultiNode:
+    size: int  # pods per engine; > 1 renders a LeaderWorkerSet
+    rendezvous_port: int
+
+
+@dataclass(frozen=True)
 class Engine:
     replicas: int
     image: str | None
     pull_policy: str
     accelerator: Accelerator
     tensor_parallel: int
+    expert_parallel: bool
+    multi_node: MultiNode
     resources: Resources
     cpu_offload_bytes: int
     grpc_port: int
@@ -238,6 +246,8 @@ def _engine(raw: Mapping[str, Any]) -> Engine:
             resource=accelerator["resource"], count=accelerator["count"], product=accelerator.get("product")
         ),
         tensor_parallel=raw["parallelism"]["tensor"],
+        expert_parallel=raw["parallelism"]["expert"],
+        multi_node=MultiNode(size=raw["multiNode"]["size"], rendezvous_port=raw["multiNode"]["rendezvousPort"]),
         resources=_resources(raw["resources"]),
         cpu_offload_bytes=int(parse_quantity(raw["kvCache"]["cpuOffload"]["size"])),
         grpc_port=raw["grpcPort"],

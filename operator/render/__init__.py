@@ -18,6 +18,13 @@ from m3stack.operator.render.gateway import (
     gateway_disruption_budget,
     gateway_service,
 )
+from m3stack.operator.render.multinode import (
+    LWS_API_VERSION,
+    LWS_KIND,
+    engine_leader_worker_set,
+    is_multi_node,
+    leaders_only,
+)
 from m3stack.operator.spec import M3Deployment
 
 Manifest = dict[str, Any]
@@ -44,6 +51,7 @@ POD_DISRUPTION_BUDGET = ChildKind("policy/v1", "PodDisruptionBudget")
 HORIZONTAL_POD_AUTOSCALER = ChildKind("autoscaling/v2", "HorizontalPodAutoscaler")
 INGRESS = ChildKind("networking.k8s.io/v1", "Ingress")
 SCALED_OBJECT = ChildKind("keda.sh/v1alpha1", "ScaledObject")
+LEADER_WORKER_SET = ChildKind(LWS_API_VERSION, LWS_KIND)
 ALL_CHILD_KINDS = (
     CONFIG_MAP,
     SERVICE,
@@ -52,11 +60,16 @@ ALL_CHILD_KINDS = (
     HORIZONTAL_POD_AUTOSCALER,
     INGRESS,
     SCALED_OBJECT,
+    LEADER_WORKER_SET,
 )
-# Kinds whose CRD may not be installed (KEDA's): not watched, and a cluster without them holds none.
-OPTIONAL_CHILD_KINDS = (SCALED_OBJECT,)
-# Kinds a resource may own more than one of (the gateway's and the engines' HPA): pruned by name.
-SHARED_CHILD_KINDS = (HORIZONTAL_POD_AUTOSCALER,)
+# Kinds whose CRD may not be installed (KEDA's, LeaderWorkerSet's): not watched, and a cluster without them
+# holds none.
+OPTIONAL_CHILD_KINDS = (SCALED_OBJECT, LEADER_WORKER_SET)
+# Kinds a resource may own more than one of (the gateway's and the engines' HPA; the gateway's and, on one
+# node, the engines' Deployment): pruned by name.
+SHARED_CHILD_KINDS = (HORIZONTAL_POD_AUTOSCALER, DEPLOYMENT)
+# The engine tier's workload: a Deployment, or a LeaderWorkerSet when multiNode.size > 1.
+WORKLOAD_KINDS = (DEPLOYMENT, LEADER_WORKER_SET)
 
 
 def kind_of(manifest: Manifest) -> ChildKind:
@@ -66,11 +79,15 @@ def kind_of(manifest: Manifest) -> ChildKind:
 def render_children(m3d: M3Deployment, images: Images) -> list[Manifest]:
     """Every child the resource wants, configuration first so pods never start without it."""
     spec = m3d.spec
+    engine_image, engine_hash = spec.engine.image or images.engine, config_hash(engine_environment(m3d))
+    multi_node = is_multi_node(m3d)
     children = [
         config_map(m3d),
-        engine_service(m3d),
+        leaders_only(engine_service(m3d)) if multi_node else engine_service(m3d),
         gateway_service(m3d),
-        engine_deployment(m3d, spec.engine.image or images.engine, config_hash(engine_environment(m3d))),
+        engine_leader_worker_set(m3d, engine_image, engine_hash)
+        if multi_node
+        else engine_deployment(m3d, engine_image, engine_hash),
         gateway_deployment(m3d, spec.gateway.image or images.gateway, config_hash(gateway_environment(m3d))),
         engine_disruption_budget(m3d),
         gateway_disruption_budget(m3d),

@@ -19,6 +19,9 @@ GATEWAY_COMMAND = "gateway"
 LISTEN_ALL = "0.0.0.0"
 # Where the gateway finds the API keys Secret (spec.gateway.apiKeySecret), mounted read-only.
 API_KEYS_DIR = "/etc/m3stack/api-keys"
+# Set by the LeaderWorkerSet controller in every container of a group; the kubelet expands $(NAME) in args.
+LWS_LEADER_ADDRESS = "$(LWS_LEADER_ADDRESS)"
+LWS_WORKER_INDEX = "$(LWS_WORKER_INDEX)"
 
 
 def engine_args(m3d: M3Deployment) -> list[str]:
@@ -35,8 +38,22 @@ def engine_args(m3d: M3Deployment) -> list[str]:
         str(engine.grpc_port),
         "--metrics-port",
         str(engine.metrics_port),
+        *parallel_args(m3d),
         *engine.extra_args,
     ]
+
+
+def parallel_args(m3d: M3Deployment) -> list[str]:
+    """How the engine spreads over GPUs and, in a LeaderWorkerSet group, which node of it this pod is."""
+    engine = m3d.spec.engine
+    args = ["--tensor-parallel", str(engine.tensor_parallel)] if engine.tensor_parallel > 1 else []
+    if engine.expert_parallel:
+        args.append("--expert-parallel")
+    multi = engine.multi_node
+    if multi.size > 1:
+        args += ["--nnodes", str(multi.size), "--node-rank", LWS_WORKER_INDEX, "--master-addr", LWS_LEADER_ADDRESS,
+                 "--master-port", str(multi.rendezvous_port)]  # fmt: skip
+    return args
 
 
 def gateway_args(m3d: M3Deployment) -> list[str]:
