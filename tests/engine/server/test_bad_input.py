@@ -187,3 +187,36 @@ def test_bad_shared_memory_handles_are_refused_and_never_leak(server, info):
         _expect_invalid(server, _image_request(info, f"shm-bad-{index}", item_changes={"pixel_values": tensor}), phrase)
     assert not (SHM / name).exists()  # the rejected segment was unlinked too
     assert os.path.exists("/etc/passwd")
+
+
+def test_an_image_and_a_video_in_one_prompt_and_their_prefix_cache_reuse(server, info):
+    image, video = info.image_token_id, info.video_token_id
+    prompt = [*range(1, 21), *[image] * 4, *range(30, 50), *[video] * 8, *range(60, 70)]  # 62 tokens
+    rng = np.random.default_rng(7)
+
+    def item(modality, grid, offset, length, content_hash):
+        patches = int(np.prod(grid))
+        pixels = rng.integers(0, 256, (patches, info.patch_dim), dtype=np.uint8)
+        return pb.MultimodalItem(modality=modality, pixel_values=_tensor(pixels, pb.DTYPE_UINT8), grid_thw=grid,
+                                 placeholders=[pb.PlaceholderRange(offset=offset, length=length)],
+                                 content_hash=content_hash)  # fmt: skip
+
+    items = [
+        item(pb.MODALITY_IMAGE, [1, 4, 4], 20, 4, "mixed-img"),
+        item(pb.MODALITY_VIDEO, [2, 4, 4], 44, 8, "mixed-vid"),
+    ]
+    sampling = pb.SamplingParams(temperature=0.0, max_new_tokens=4, ignore_eos=True)
+    runs = []
+    for request_id in ("mixed-1", "mixed-2"):
+        request = pb.GenerateRequest(request_id=request_id, input_ids=prompt, mm_items=items, sampling=sampling)
+        responses = list(server.stub.Generate(request, timeout=60))
+        tokens = [t for r in responses if r.HasField("chunk") for t in r.chunk.token_ids]
+        runs.append((tokens, responses[-1].complete))
+    (first, first_end), (second, second_end) = runs
+    assert len(first) == 4 and second == first
+    assert first_end.cached_tokens == 0 and second_end.cached_tokens == 48  # 3 full blocks, images included
+    # Another image behind the same placeholder tokens shares only the block before it (tokens 0-15).
+    other = pb.GenerateRequest(request_id="mixed-3", input_ids=prompt, sampling=sampling,
+                               mm_items=[item(pb.MODALITY_IMAGE, [1, 4, 4], 20, 4, "other-img"), items[1]])  # fmt: skip
+    assert list(server.stub.Generate(other, timeout=60))[-1].complete.cached_tokens == 16
+    server.wait_idle()
