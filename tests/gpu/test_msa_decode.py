@@ -17,7 +17,7 @@ from m3stack.engine.attention.reference import ReferenceAttentionBackend
 from m3stack.engine.kv_cache.tensors import KVCacheSpec, LayerKVCache, allocate_kv_cache
 from m3stack.engine.msa import reference
 from m3stack.engine.msa.decode_attention import FlashInferSparseDecode, sparse_decode_attention
-from m3stack.engine.msa.decode_index import ScanConfig, decode_index_topk
+from m3stack.engine.msa.decode_index import MAX_DECODE_COLUMNS, ScanConfig, decode_index_topk
 from m3stack.engine.msa.decode_plan import SparseDecodePlan, SparseDecodeShape, plan_sparse_decode
 from tests.engine.attention.step_support import step_metadata
 from tests.engine.msa.prefill_support import PagedBatch, assert_selection_matches, paged_batch
@@ -28,6 +28,7 @@ SCALE = SHAPE.head_dim**-0.5
 # bf16 products are exact in fp32; the kernel sums 128 of them in another order than the reference.
 SCORE_TOLERANCE = 2e-3
 OUT_TOLERANCE = 2e-2  # bf16 inputs and output against an fp32 reference
+PREFILL_TOLERANCE = 3e-2  # the MSA prefill kernels keep bf16 partials (tests/gpu/test_msa_prefill.py)
 REQUESTS = [(1, 1), (127, 1), (128, 1), (129, 1), (2049, 4), (5000, 1), (40000, 3), (70001, 1), (300000, 1)]
 
 
@@ -180,8 +181,9 @@ def test_backend_matches_reference_backend_over_steps() -> None:
             backend.begin_step(metadata)
             outputs.append((backend.dense(0, *dense_args), backend.sparse(1, *sparse_args)))
         (gpu_dense, gpu_sparse), (ref_dense, ref_sparse) = outputs
+        tolerance = OUT_TOLERANCE if metadata.max_query_len * kv_heads <= MAX_DECODE_COLUMNS else PREFILL_TOLERANCE
         torch.testing.assert_close(gpu_dense.float(), ref_dense.float(), atol=OUT_TOLERANCE, rtol=OUT_TOLERANCE)
-        torch.testing.assert_close(gpu_sparse.float(), ref_sparse.float(), atol=OUT_TOLERANCE, rtol=OUT_TOLERANCE)
+        torch.testing.assert_close(gpu_sparse.float(), ref_sparse.float(), atol=tolerance, rtol=tolerance)
         for request, new in step.items():
             done[request] += new
 
