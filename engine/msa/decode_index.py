@@ -20,6 +20,9 @@ fly:
 Scores and block ids travel packed in one int64 (order-preserving float bits high, inverted id
 low), so "higher score, then lower block id" is a single integer comparison: ties go to the lower
 block id exactly as in the reference, across splits as well as within one.
+
+The k-index may be fp8 (e4m3): half the scan's bytes; the keys are widened to the queries' type in
+registers, so the scores are exact products of the stored keys.
 """
 
 from dataclasses import dataclass
@@ -52,6 +55,7 @@ MAX_DECODE_COLUMNS = 64
 def _pack(score, block_id):
     """(score, block id) -> int64 ordered by score, then by LOWER block id."""
     bits = score.to(tl.int32, bitcast=True)
+    bits = tl.where((bits & 0x7FFFFFFF) == 0, 0, bits)  # -0.0 ties with +0.0, as in the reference
     ordered = tl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF)
     return (ordered.to(tl.int64) << 32) + (0x7FFFFFFF - block_id).to(tl.int64)
 

@@ -77,13 +77,14 @@ def test_two_local_blocks_wide_topk_and_two_pages_per_step() -> None:
     check_against_reference(batch, index_q, shape_for(topk=8, local_blocks=2), splits=2, config=config)
 
 
-def test_ties_go_to_the_lower_block_across_splits() -> None:
-    """Equal index keys make every block score equal: the lowest ids must win even when the winning
-    candidates come from different splits."""
+@pytest.mark.parametrize("value", [1.0, 0.0], ids=["equal-keys", "zero-keys"])
+def test_ties_go_to_the_lower_block_across_splits(value: float) -> None:
+    """Equal index keys make every block score equal (zero keys: +0.0 and -0.0 alike, as in MiniMax's
+    all-zero test): the lowest ids must win even when the winners come from different splits."""
     batch, index_q = make_batch(torch.float32, seed=3, requests=[(300, 1), (200, 2)])
-    batch.index_key_cache.copy_(torch.ones_like(batch.index_key_cache))
+    batch.index_key_cache.fill_(value)
     for keys in batch.index_keys:
-        keys.copy_(torch.ones_like(keys))
+        keys.fill_(value)
     check_against_reference(batch, index_q, shape_for(topk=6, local_blocks=1), splits=4)
 
 
