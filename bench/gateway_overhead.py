@@ -1,8 +1,9 @@
 """Gateway overhead: the same streamed requests through the gateway (HTTP + tokenize + route + relay)
 and straight to the engine (gRPC with token ids), side by side, at concurrency 1 and 64.
 
-The engine is a stub that speaks engine.proto and streams canned tokens at a fixed pace, so that the
-only difference between the two paths is the gateway.  Three processes (stub engine, gateway, this
+The engine is a stub that speaks engine.proto and streams canned tokens in decode steps of a fixed
+length (every running request gets its token at each step, as with continuous batching), so that
+the only difference between the two paths is the gateway.  Three processes (stub engine, gateway, this
 load generator) share the machine.  Run:
 
     python -m bench.gateway_overhead [--out DIR]
@@ -46,22 +47,45 @@ PROMPT = (
 # The stub engine
 
 
-class StubEngine(engine_pb2_grpc.EngineServicer):
-    """Streams ``max_new_tokens`` canned tokens, one every ``interval_s``, like a decode loop would."""
+class StepClock:
+    """An engine's decode loop: a step of ``interval_s`` gives every request waiting for a token its
+    token at once (continuous batching), so their chunks leave together as a real engine's do.  A step
+    starts when the first request waits for it: an idle engine serves a new request right away."""
 
-    def __init__(self, token_ids: list[int], interval_s: float, vocab_size: int) -> None:
-        self._tokens = token_ids
+    def __init__(self, interval_s: float) -> None:
         self._interval_s = interval_s
-        self._vocab_size = vocab_size
+        self._tick: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._waiting = asyncio.Event()
         self.running = 0
+
+    async def run(self) -> None:
+        while True:
+            await self._waiting.wait()
+            await asyncio.sleep(self._interval_s)
+            self._waiting.clear()
+            tick, self._tick = self._tick, asyncio.get_running_loop().create_future()
+            tick.set_result(None)
+
+    async def next_step(self) -> None:
+        self._waiting.set()
+        await asyncio.shield(self._tick)
+
+
+class StubEngine(engine_pb2_grpc.EngineServicer):
+    """Streams ``max_new_tokens`` canned tokens, one per step of the clock."""
+
+    def __init__(self, token_ids: list[int], clock: StepClock, vocab_size: int) -> None:
+        self._tokens = token_ids
+        self._clock = clock
+        self._vocab_size = vocab_size
 
     async def Generate(self, request, context):  # noqa: N802 - gRPC method name
         count = request.sampling.max_new_tokens if request.sampling.HasField("max_new_tokens") else 16
         prompt = len(request.input_ids)
-        self.running += 1
+        self._clock.running += 1
         try:
             for index in range(count):
-                await asyncio.sleep(self._interval_s)
+                await self._clock.next_step()
                 token = self._tokens[index % len(self._tokens)]
                 yield engine_pb2.GenerateResponse(
                     request_id=request.request_id,
@@ -76,7 +100,7 @@ class StubEngine(engine_pb2_grpc.EngineServicer):
                 ),
             )
         finally:
-            self.running -= 1
+            self._clock.running -= 1
 
     async def Abort(self, request, context):  # noqa: N802
         return engine_pb2.AbortResponse(found=False)
@@ -90,7 +114,7 @@ class StubEngine(engine_pb2_grpc.EngineServicer):
         )
 
     async def GetLoads(self, request, context):  # noqa: N802
-        return engine_pb2.Loads(num_running=self.running)
+        return engine_pb2.Loads(num_running=self._clock.running)
 
 
 async def serve_stub(port: int, model_dir: Path, interval_s: float) -> None:
@@ -98,14 +122,17 @@ async def serve_stub(port: int, model_dir: Path, interval_s: float) -> None:
 
     tokenizer = ModelTokenizer.from_folder(model_dir)
     canned = tokenizer.encode(" the quick brown fox jumps over the lazy dog", add_special_tokens=False)
+    clock = StepClock(interval_s)
+    steps = asyncio.create_task(clock.run())
     server = grpc.aio.server()
-    engine_pb2_grpc.add_EngineServicer_to_server(StubEngine(canned, interval_s, tokenizer.vocab_size), server)
+    engine_pb2_grpc.add_EngineServicer_to_server(StubEngine(canned, clock, tokenizer.vocab_size), server)
     health_servicer = health.aio.HealthServicer()
     await health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     server.add_insecure_port(f"{LOOPBACK}:{port}")
     await server.start()
     await server.wait_for_termination()
+    steps.cancel()
 
 
 def write_tokenizer_folder(folder: Path) -> Path:
@@ -295,7 +322,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=None, help="results folder (default bench/results)")
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 64])
     parser.add_argument("--tokens", type=int, default=16, help="tokens per response")
-    parser.add_argument("--token-interval-ms", type=float, default=20.0, help="stub engine time per token")
+    parser.add_argument("--token-interval-ms", type=float, default=20.0, help="stub engine decode step")
     parser.add_argument("--waves", type=int, default=8, help="requests per run = concurrency * waves")
     parser.add_argument("--min-requests", type=int, default=120)
     parser.add_argument("--rounds", type=int, default=4)
