@@ -132,10 +132,15 @@ class Cluster:
         )
         response = self.api_client.call_api(*serialized, _request_timeout=REQUEST_TIMEOUT_SECONDS)
         data = response.read()
-        payload = json.loads(data) if data else {}
         if not 200 <= response.status < 300:
-            raise ApiError(response.status, payload.get("reason", response.reason or ""), payload.get("message", ""))
-        return payload
+            # A Status object, or plain text from outside the API machinery ("404 page not found" for an
+            # API group that is not installed).
+            try:
+                status = json.loads(data)
+            except ValueError:
+                status = {"message": data.decode(errors="replace").strip()}
+            raise ApiError(response.status, status.get("reason", response.reason or ""), status.get("message", ""))
+        return json.loads(data) if data else {}
 
     def apply(self, manifest: Mapping[str, Any]) -> dict[str, Any]:
         """Server-side apply: the object becomes what ``manifest`` says for every field it names.

@@ -6,12 +6,12 @@
   the image runs) as a host process with that token, watching the test's namespace; stopped after.
 - ``kube`` (function): kubectl against the test's namespace, returning parsed JSON.
 
-Every test here shares one chart release (the CRD is cluster-wide), so every module marks itself
-``xdist_group(GROUP)``: one xdist worker runs them all.
+Every test here shares one chart release (the CRD is cluster-wide), installed once per control plane.
 """
 
 from __future__ import annotations
 
+import fcntl
 import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -30,19 +30,26 @@ class Chart:
 
 
 @pytest.fixture(scope="session")
-def chart(k8s_cluster: ControlPlane, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Chart]:
+def chart(k8s_cluster: ControlPlane, tmp_path_factory: pytest.TempPathFactory) -> Chart:
+    """The chart, installed once per control plane: the xdist workers of a run share the cluster, so
+    the first one installs under a file lock and the others find it done.  It stays installed (the
+    control plane goes away with the run; a reused one gets `helm upgrade --install` next time)."""
     helm = str(k8s_cluster.binary("helm"))
-    install = k8s_cluster.run(
-        [helm, "upgrade", "--install", RELEASE, str(CHART), "--namespace", RELEASE_NAMESPACE, "--create-namespace",
-         "--wait", "--timeout", "2m"],
-        check=False,
-    )  # fmt: skip
-    if install.returncode != 0:
-        pytest.fail(f"helm upgrade --install failed:\n{install.stdout}\n{install.stderr}", pytrace=False)
+    with (k8s_cluster.run_dir / "m3stack-chart.lock").open("w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        done = k8s_cluster.run_dir / "m3stack-chart.installed"
+        if not done.exists():
+            install = k8s_cluster.run(
+                [helm, "upgrade", "--install", RELEASE, str(CHART), "--namespace", RELEASE_NAMESPACE,
+                 "--create-namespace", "--wait", "--timeout", "2m"],
+                check=False,
+            )  # fmt: skip
+            if install.returncode != 0:
+                pytest.fail(f"helm upgrade --install failed:\n{install.stdout}\n{install.stderr}", pytrace=False)
+            done.touch()
     kubeconfig = tmp_path_factory.mktemp("chart") / "operator-sa.kubeconfig"
     k8s_cluster.service_account_kubeconfig(RELEASE_NAMESPACE, SERVICE_ACCOUNT, kubeconfig)
-    yield Chart(service_account_kubeconfig=kubeconfig)
-    k8s_cluster.run([helm, "uninstall", RELEASE, "--namespace", RELEASE_NAMESPACE, "--wait"], check=False)
+    return Chart(service_account_kubeconfig=kubeconfig)
 
 
 @pytest.fixture

@@ -25,7 +25,8 @@ EXAMPLE = CHART / "examples" / "m3deployment.yaml"
 RELEASE = "m3stack"
 RELEASE_NAMESPACE = "m3stack-system"
 SERVICE_ACCOUNT = "m3stack"  # the chart's fullname for this release name
-# The xdist group of every module here: they share one chart release (the CRD is cluster-wide).
+# An xdist group for modules that want one worker.  Note: with pytest 9.2 + xdist 3.8 here, loadgroup
+# does not group (the workers never suffix node ids); the chart fixture does not rely on it.
 GROUP = "m3stack-operator"
 T = TypeVar("T")
 

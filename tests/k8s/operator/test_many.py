@@ -6,10 +6,7 @@ import json
 import logging
 import time
 
-import pytest
-from m3d_testkit import GROUP, m3deployment, wait_for
-
-pytestmark = pytest.mark.xdist_group(GROUP)
+from m3d_testkit import m3deployment, wait_for
 
 COUNT = 50
 # Measured on the 2-core development machine with the whole control plane on it (see the report);

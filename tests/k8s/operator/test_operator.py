@@ -17,7 +17,6 @@ import pytest
 import yaml
 from m3d_testkit import (
     EXAMPLE,
-    GROUP,
     RELEASE_NAMESPACE,
     SERVICE_ACCOUNT,
     Kube,
@@ -28,8 +27,6 @@ from m3d_testkit import (
     pod_ready,
     wait_for,
 )
-
-pytestmark = pytest.mark.xdist_group(GROUP)
 
 
 @pytest.fixture(scope="module")

@@ -4,10 +4,7 @@ from __future__ import annotations
 
 import signal
 
-import pytest
-from m3d_testkit import GROUP, deployment, live_pods, m3deployment, wait_for
-
-pytestmark = pytest.mark.xdist_group(GROUP)
+from m3d_testkit import deployment, live_pods, m3deployment, wait_for
 
 
 def test_a_restart_in_the_middle_of_a_reconcile_converges_without_duplicates(kube, operator):

@@ -10,9 +10,7 @@ from typing import Any
 
 import controlplane
 import pytest
-from m3d_testkit import GROUP, Kube, m3deployment
-
-pytestmark = pytest.mark.xdist_group(GROUP)
+from m3d_testkit import Kube, m3deployment
 
 INVALID: list[tuple[str, dict[str, Any], str]] = [
     ("min-over-max", {"autoscaling": {"engine": {"minReplicas": 5, "maxReplicas": 2}}},
