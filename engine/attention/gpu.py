@@ -13,10 +13,17 @@ per layer, the new keys go into the paged cache (``msa.store``) and then:
 
 It runs on CUDA, and on CPU tensors under ``TRITON_INTERPRET=1`` (FlashInfer absent: the Triton
 paths), which is how CI tests it against ``attention.reference``.
+
+With CPU KV offload (``offload``, an ``engine.offload.device.DeviceOffload``) page tables may name host
+blocks: decode steps resolve the selected ones to hot-buffer pages between the indexer and the attention,
+prefill steps run requests with host blocks on a working set, and a request with host blocks that adds
+several tokens sends the step's MSA layers to the prefill path.
 """
 
 import logging
+from collections import OrderedDict
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -37,6 +44,9 @@ from m3stack.engine.msa.prefill_attention import sparse_prefill
 from m3stack.engine.msa.prefill_index import prefill_index_topk
 from m3stack.engine.msa.store import store_kv
 
+if TYPE_CHECKING:
+    from m3stack.engine.offload.device import DeviceOffload
+
 logger = logging.getLogger(__name__)
 
 
@@ -48,6 +58,7 @@ class _StepPlan:
     dense_flashinfer: FlashInferDense | None
     decode: SparseDecodePlan | None  # None: MSA layers take the prefill path this step
     sparse_flashinfer: FlashInferSparseDecode | None
+    slot: "_DecodeSlot | None"  # pure-decode steps: the batch size's fixed buffers
 
 
 @dataclass
@@ -59,6 +70,12 @@ class _DecodeSlot:
     plan_buffers: DecodePlanBuffers | None  # None without MSA layers
     dense_flashinfer: FlashInferDense | None
     sparse_flashinfer: FlashInferSparseDecode | None
+    captured: bool = False  # a CUDA graph holds its addresses: never evicted
+
+
+# Batch sizes whose decode buffers are kept (least recently used ones beyond this are dropped,
+# unless a CUDA graph was captured over them); the runner captures ~20 sizes.
+_MAX_DECODE_SLOTS = 48
 
 
 class GpuAttentionBackend:
@@ -85,6 +102,7 @@ class GpuAttentionBackend:
         num_q_heads: int | None = None,
         use_flashinfer: bool | None = None,
         scan_config: ScanConfig | None = None,
+        offload: "DeviceOffload | None" = None,
     ) -> None:
         if not kv_caches:
             raise ValueError("GpuAttentionBackend needs at least one layer's KV cache")
@@ -98,6 +116,7 @@ class GpuAttentionBackend:
         self.local_blocks = local_blocks
         self.num_q_heads = num_q_heads
         self.scan_config = scan_config or ScanConfig()
+        self.offload = offload
         self._index_head_dim = sparse_layer.index_key.shape[2] if sparse_layer is not None else None
         self.use_flashinfer = flashinfer_available(self.device) if use_flashinfer is None else use_flashinfer
         self._workspace: torch.Tensor | None = None
@@ -108,7 +127,7 @@ class GpuAttentionBackend:
             self._workspace = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=self.device)
             self._fi_dense = FlashInferDense(self._workspace)
             self._fi_sparse = FlashInferSparseDecode(self.device, self._workspace)
-        self._decode_slots: dict[int, _DecodeSlot] = {}
+        self._decode_slots: OrderedDict[int, _DecodeSlot] = OrderedDict()
         self._metadata: AttentionMetadata | None = None
         self._step: _StepPlan | None = None
         logger.info("GPU attention backend on %s (FlashInfer: %s)", self.device, self.use_flashinfer)
@@ -146,12 +165,19 @@ class GpuAttentionBackend:
                                    if self.use_flashinfer and buffers is not None else None),
             )  # fmt: skip
             self._decode_slots[num_requests] = slot
+            # Eager decode of ever new batch sizes must not grow without bound (each slot holds
+            # FlashInfer wrappers with their own workspaces).
+            evictable = [size for size, kept in self._decode_slots.items() if not kept.captured]
+            for size in evictable[: max(0, len(self._decode_slots) - _MAX_DECODE_SLOTS)]:
+                del self._decode_slots[size]
+        self._decode_slots.move_to_end(num_requests)
         return slot
 
     def _plan(self, metadata: AttentionMetadata, num_q_heads: int) -> _StepPlan:
         key_cache = self.kv_caches[0].key
         num_kv_heads, head_dim = key_cache.shape[1], key_cache.shape[3]
         shape = self._sparse_shape(num_q_heads)
+        slot = None
         if metadata.is_pure_decode:
             slot = self._decode_slot(metadata.num_requests, shape)
             token_request, buffers = slot.token_request, slot.plan_buffers
@@ -168,11 +194,12 @@ class GpuAttentionBackend:
         if dense_fi is not None and metadata.num_tokens:
             dense_fi.plan(metadata, num_q_heads, key_cache)
         decode = None
-        if shape is not None and metadata.max_query_len * num_kv_heads <= MAX_DECODE_COLUMNS:
+        offload_prefill = self.offload is not None and self.offload.needs_prefill_path()
+        if shape is not None and metadata.max_query_len * num_kv_heads <= MAX_DECODE_COLUMNS and not offload_prefill:
             decode = plan_sparse_decode(metadata, shape, self.device, buffers=buffers)
             if sparse_fi is not None:
                 sparse_fi.plan(decode, key_cache.dtype, head_dim**-0.5)
-        return _StepPlan(dense_rows, dense_fi, decode, sparse_fi)
+        return _StepPlan(dense_rows, dense_fi, decode, sparse_fi, slot)
 
     def _begin_layer(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                      index_k: torch.Tensor | None) -> tuple[AttentionMetadata, _StepPlan, LayerKVCache]:  # fmt: skip
@@ -183,6 +210,8 @@ class GpuAttentionBackend:
             raise ValueError(f"q is {q.dtype} but layer {layer}'s cache holds {self.kv_caches[layer].key.dtype}")
         if self._step is None:
             self._step = self._plan(metadata, q.shape[1])
+        if self._step.slot is not None and q.is_cuda and torch.cuda.is_current_stream_capturing():
+            self._step.slot.captured = True
         cache = self.kv_caches[layer]
         store_kv(cache, metadata.slot_mapping, k, v, index_k)
         return metadata, self._step, cache
@@ -212,7 +241,11 @@ class GpuAttentionBackend:
         scale = q.shape[-1] ** -0.5
         if step.decode is not None:
             decode_index_topk(index_q, cache.index_key, metadata, step.decode, self.scan_config)
+            if self.offload is not None:
+                self.offload.resolve_decode(layer, step.decode, metadata)
             return sparse_decode_attention(q, cache.key, cache.value, step.decode, metadata.positions,
                                            metadata.page_table, scale, step.sparse_flashinfer)  # fmt: skip
         selection = prefill_index_topk(index_q, cache.index_key, metadata, self.topk_blocks, self.local_blocks)
+        if self.offload is not None:
+            return self.offload.sparse_prefill(layer, q, selection, metadata, scale)
         return sparse_prefill(q, cache.key, cache.value, selection, metadata, scale)

@@ -9,6 +9,7 @@ os.environ.setdefault("TRITON_INTERPRET", "1")  # before any kernel module is im
 import pytest
 import torch
 
+from m3stack.engine.attention import gpu as gpu_backend
 from m3stack.engine.attention.gpu import GpuAttentionBackend
 from m3stack.engine.attention.reference import ReferenceAttentionBackend
 from m3stack.engine.kv_cache.tensors import KVCacheSpec, allocate_kv_cache
@@ -39,7 +40,7 @@ def caches() -> list:
     return layers
 
 
-def run_and_compare(steps: list[dict[int, int]], num_q_heads: int | None, seed: int) -> None:
+def run_and_compare(steps: list[dict[int, int]], num_q_heads: int | None, seed: int) -> GpuAttentionBackend:
     generator = torch.Generator().manual_seed(seed)
     # Three requests of up to 8 pages each, scattered over the pool.
     pages = torch.randperm(NUM_PAGES, generator=generator)[:24].view(3, 8)
@@ -66,6 +67,7 @@ def run_and_compare(steps: list[dict[int, int]], num_q_heads: int | None, seed: 
         torch.testing.assert_close(gpu_sparse, ref_sparse, atol=2e-5, rtol=2e-5)
         for request, new in step.items():
             done[request] += new
+    return gpu
 
 
 def test_gpu_backend_matches_reference_backend_over_steps() -> None:
@@ -98,3 +100,12 @@ def test_bad_steps_are_refused() -> None:
             GpuAttentionBackend(caches(), topk_blocks=TOPK, local_blocks=LOCAL)
         finally:
             os.environ["TRITON_INTERPRET"] = "1"
+
+
+def test_decode_buffers_per_batch_size_stay_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Pure-decode steps plan into buffers kept per batch size (for CUDA graphs); eager decode over
+    ever new sizes must not keep them all, and reused or re-created buffers still give exact results."""
+    monkeypatch.setattr(gpu_backend, "_MAX_DECODE_SLOTS", 2)
+    steps = [{0: 6, 1: 3, 2: 2}, {0: 1}, {0: 1, 1: 1}, {0: 1, 1: 1, 2: 1}, {0: 1}, {1: 1, 2: 1}]
+    backend = run_and_compare(steps, num_q_heads=HQ, seed=6)
+    assert len(backend._decode_slots) == 2
