@@ -84,8 +84,9 @@ class GpuAttentionBackend:
     ``topk_blocks`` / ``local_blocks`` are the model's MSA settings.  ``num_q_heads`` lets
     ``begin_step`` plan everything up front, as CUDA graphs need (without it the plan is made at
     the step's first layer, which must then run eagerly).  ``use_flashinfer`` defaults to "when
-    installed".  Pure-decode steps plan into buffers kept per batch size, and every launch size
-    follows the page table's width, so graphs captured per batch size replay over later steps.
+    installed and the cache is float16/bfloat16".  Pure-decode steps plan into buffers kept per
+    batch size, and every launch size follows the page table's width, so graphs captured per batch
+    size replay over later steps.
     """
 
     @property
@@ -118,7 +119,11 @@ class GpuAttentionBackend:
         self.scan_config = scan_config or ScanConfig()
         self.offload = offload
         self._index_head_dim = sparse_layer.index_key.shape[2] if sparse_layer is not None else None
-        self.use_flashinfer = flashinfer_available(self.device) if use_flashinfer is None else use_flashinfer
+        # FlashInfer attends in half precision only; float32 caches take the Triton paths.
+        half = first.key.dtype in (torch.float16, torch.bfloat16)
+        if use_flashinfer and not half:
+            raise ValueError(f"FlashInfer needs a float16/bfloat16 KV cache, not {first.key.dtype}")
+        self.use_flashinfer = flashinfer_available(self.device) and half if use_flashinfer is None else use_flashinfer
         self._workspace: torch.Tensor | None = None
         self._fi_dense: FlashInferDense | None = None
         self._fi_sparse: FlashInferSparseDecode | None = None
