@@ -3,18 +3,19 @@ KV-block-major and query-major sparse attention on the same selections, against 
 attention (FlashInfer prefill and torch SDPA's flash backend; the faster is the peer) in the same run.
 
 One request prefills ``context`` tokens from scratch (T = context), pages shuffled over the pool,
-fresh random bf16 inputs.  Run (GPU machine, from the repository root):
+fresh random bf16 inputs.  Run (GPU machine, from the repository root; ~5 minutes):
 
     python -m bench.msa_prefill [--out DIR] [--contexts 8192,32768,131072,262144,1048576]
     python -m bench.msa_prefill --table bench/results/msa_prefill.json   # the tables again, no GPU needed
 
 Writes ``<out or bench/results>/msa_prefill.json`` after every context (rows: ``context``,
-``indexer_ms``, ``block_major_ms``, ``query_major_ms``, ``msa_total_ms``, ``dense_ms`` and the
-details: CSR time, FlashInfer and SDPA times, achieved TFLOP/s, peak extra memory, the launch
-configs the sweep picked) and prints a markdown table last.  Targets (design/msa.md): MSA layer
->= 8x faster than dense at 128K and growing with context; block-major >= 1.5x query-major at 128K.
-Dense runs up to 256K; beyond, ``dense_ms_extrapolated`` scales the 256K time by the causal
-(context^2) FLOPs.
+``indexer_ms``, ``block_major_ms`` and its phases ``csr_ms`` / ``attend_ms`` / ``merge_ms``,
+``query_major_ms``, ``msa_total_ms``, ``dense_ms`` and the details: FlashInfer and SDPA times,
+achieved TFLOP/s and TB/s, work items, peak extra memory), the sweep, the launch configs it picked
+and the registers / spills / shared memory of every kernel variant compiled, and prints markdown
+tables last.  Targets (design/msa.md): MSA layer >= 8x faster than dense at 128K and growing with
+context; block-major >= 1.5x query-major at 128K.  Dense runs up to 256K; beyond,
+``dense_ms_extrapolated`` scales the 256K time by the causal (context^2) FLOPs.
 """
 
 import argparse
@@ -31,39 +32,47 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import triton
 
 from bench.common import cuda_time_us, markdown_table, write_results
 from m3stack.engine.attention.metadata import AttentionMetadata
+from m3stack.engine.msa import prefill_block_major, prefill_csr, prefill_index, prefill_query_major
 from m3stack.engine.msa.prefill_attention import DEFAULT_WORKSPACE_BYTES, sparse_prefill
-from m3stack.engine.msa.prefill_block_major import chunk_tokens_for
+from m3stack.engine.msa.prefill_block_major import BlockMajorPlan, attend_chunk, merge_chunk, plan_block_major
 from m3stack.engine.msa.prefill_common import PrefillTuning
-from m3stack.engine.msa.prefill_csr import build_block_queries
+from m3stack.engine.msa.prefill_csr import ITEM_END, ITEM_FIRST, ITEM_HEAD
 from m3stack.engine.msa.prefill_index import IndexTuning, prefill_index_topk
-from m3stack.engine.msa.prefill_plan import global_blocks, token_requests
 
 logger = logging.getLogger("bench.msa_prefill")
 
 # M3 attention dims (design/msa.md).
 Q_HEADS, KV_HEADS, HEAD_DIM, INDEX_DIM, BLOCK, TOPK, LOCAL = 64, 4, 128, 128, 128, 16, 1
+GROUP = Q_HEADS // KV_HEADS
 SCALE = HEAD_DIM**-0.5
 DENSE_MAX_CONTEXT = 262144
 SWEEP_CONTEXT = 131072
-# Candidate launch configs, swept once at SWEEP_CONTEXT; the fastest is used for every context.
+# Candidate launch configs, swept once at SWEEP_CONTEXT (the first of each list is the kernel's
+# default); the fastest is used for every context.  `python -m bench.sm90_compile` compiles them
+# all for sm_90 without a GPU (registers, shared memory, CTAs per SM in the comments: Triton 3.6).
 INDEX_CONFIGS = [
-    IndexTuning(tile_tokens=32, num_warps=8, num_stages=3),
-    IndexTuning(tile_tokens=32, num_warps=8, num_stages=2),
-    IndexTuning(tile_tokens=16, num_warps=4, num_stages=3),
-    IndexTuning(tile_tokens=64, num_warps=16, num_stages=2),
+    IndexTuning(tile_tokens=32, num_warps=8, num_stages=2),  # 128 rows, 2 CTAs/SM, next key block in flight
+    IndexTuning(tile_tokens=32, num_warps=8, num_stages=3),  # 1 CTA/SM, two key blocks in flight
+    IndexTuning(tile_tokens=64, num_warps=16, num_stages=2),  # 256 rows: half the key traffic from L2
+    IndexTuning(tile_tokens=64, num_warps=16, num_stages=3),
+    IndexTuning(tile_tokens=16, num_warps=4, num_stages=3),  # 64 rows, 2 CTAs/SM, two blocks in flight
 ]
 BLOCK_MAJOR_CONFIGS = [
-    PrefillTuning(tile_tokens=8, num_warps=8, num_stages=2),
-    PrefillTuning(tile_tokens=8, num_warps=8, num_stages=3),
-    PrefillTuning(tile_tokens=4, num_warps=4, num_stages=2),
-    PrefillTuning(tile_tokens=4, num_warps=4, num_stages=3),
+    PrefillTuning(tile_tokens=4, num_warps=4, prefetch=True),  # 64 rows, 2 CTAs/SM, next q tile in registers
+    PrefillTuning(tile_tokens=4, num_warps=4, prefetch=False, num_stages=2),  # 2 CTAs/SM, q staged just in time
+    PrefillTuning(tile_tokens=4, num_warps=4, prefetch=False, num_stages=3),  # 1 CTA/SM, q one tile ahead
+    PrefillTuning(tile_tokens=8, num_warps=8, prefetch=True),  # 128 rows, 1 CTA/SM
+    PrefillTuning(tile_tokens=8, num_warps=8, prefetch=False, num_stages=3),  # 128 rows, 1 CTA/SM
 ]
-# Then, with the fastest of those (runtime arguments, no recompiles): work-item size and workspace.
-QUERIES_PER_ITEM = [64, 128, 256]
-WORKSPACES = [512 << 20, DEFAULT_WORKSPACE_BYTES, 8 << 30]
+# Then, with the fastest of those (runtime arguments, no recompiles): work-item size and workspace;
+# last the merge kernel's launch.
+TILES_PER_ITEM = [32, 16, 64]
+WORKSPACES = [DEFAULT_WORKSPACE_BYTES, 512 << 20, 8 << 30]
+MERGE_CONFIGS = [(4, 3), (4, 2), (8, 3)]  # (merge_num_warps, merge_num_stages)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -139,7 +148,6 @@ class Layer:
             query_start_loc_cpu=torch.tensor([0, context], dtype=torch.int32),
             seq_lens_cpu=torch.tensor([context], dtype=torch.int32),
         )
-        self.selection: torch.Tensor | None = None
 
     def index(self, tuning: IndexTuning | None) -> torch.Tensor:
         return prefill_index_topk(self.index_q, self.index_key_cache, self.metadata, TOPK, LOCAL, tuning)
@@ -150,23 +158,25 @@ class Layer:
             workspace_bytes=config.workspace_bytes, tuning=config.tuning,
         )  # fmt: skip
 
-    def csr(self, selection: torch.Tensor, config: AttentionConfig) -> None:
-        """The inversion alone, as block-major runs it (default: 16 x tile tokens per work item)."""
-        tile = config.tuning.tile_tokens or 8
-        chunk = min(len(self.q), chunk_tokens_for(Q_HEADS, TOPK, HEAD_DIM, self.q.dtype, config.workspace_bytes))
-        blocks = global_blocks(self.metadata)
-        build_block_queries(
-            selection, self.metadata.positions, token_requests(self.metadata), blocks, BLOCK, chunk,
-            config.tuning.queries_per_item or 16 * tile,
-        )  # fmt: skip
+    # Block-major's phases, timed apart: the inversion (+ workspace), every chunk's attention, every merge.
+    def plan(self, selection: torch.Tensor, config: AttentionConfig) -> BlockMajorPlan:
+        return plan_block_major(self.q, selection, self.metadata, config.workspace_bytes, config.tuning)
 
-    def attention_flops(self, selection: torch.Tensor) -> float:
-        """4 * D FLOPs per (query head, visible key of a selected block): QK^T and PV."""
+    def attend_chunks(self, plan: BlockMajorPlan) -> None:
+        for chunk in range(plan.num_chunks):
+            attend_chunk(plan, chunk, self.q, self.key_cache, self.value_cache, self.metadata, SCALE)
+
+    def merge_chunks(self, plan: BlockMajorPlan, selection: torch.Tensor, out: torch.Tensor) -> None:
+        """Every chunk's merge (the workspace holds the last chunk's partials: same work, same time)."""
+        for chunk in range(plan.num_chunks):
+            merge_chunk(plan, chunk, selection, self.metadata, out)
+
+    def selected_pairs(self, selection: torch.Tensor) -> tuple[int, int]:
+        """(valid (token, KV head, block) selections, visible keys summed over them)."""
         positions = self.metadata.positions[None, :, None]
         valid = (selection >= 0) & (selection <= positions // BLOCK)
         visible = torch.clamp(positions - selection.long() * BLOCK + 1, 0, BLOCK)
-        keys = int(torch.where(valid, visible, 0).sum())
-        return 4.0 * HEAD_DIM * (Q_HEADS // KV_HEADS) * keys
+        return int(valid.sum()), int(torch.where(valid, visible, 0).sum())
 
     def index_flops(self) -> float:
         """2 * d FLOPs per (index head, key of each ranked candidate block): the causal block triangle."""
@@ -183,10 +193,9 @@ def dense_flashinfer(layer: Layer) -> Callable[[], Any]:
 def dense_sdpa(layer: Layer) -> Callable[[], Any]:
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    group = Q_HEADS // KV_HEADS
     q = layer.q.transpose(0, 1)[None]
-    k = layer.key.repeat_interleave(group, dim=1).transpose(0, 1)[None]
-    v = layer.value.repeat_interleave(group, dim=1).transpose(0, 1)[None]
+    k = layer.key.repeat_interleave(GROUP, dim=1).transpose(0, 1)[None]
+    v = layer.value.repeat_interleave(GROUP, dim=1).transpose(0, 1)[None]
 
     def run() -> torch.Tensor:
         with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
@@ -219,64 +228,73 @@ def attempt(row: dict[str, Any], key: str, fn: Callable[[], float]) -> float | N
 
 
 def sweep(layer: Layer) -> tuple[IndexTuning, AttentionConfig, list[dict[str, Any]]]:
-    """Time each candidate config on ``layer``; return the fastest indexer and attention configs."""
+    """Time each candidate config on ``layer``; return the fastest indexer and attention configs.
+
+    Block-major goes in three steps, each timing the part its knobs change: the kernel configs on
+    the attention kernels alone (one prebuilt plan each), then work-item size x workspace on the
+    whole call, then the merge launch on the merges alone."""
     results: list[dict[str, Any]] = []
     context = len(layer.q)
 
-    def fastest(kernel: str, configs: list, run: Callable[[Any], Any]) -> Any:
+    def fastest(kernel: str, configs: list, timed: Callable[[Any], Callable[[], Any]]) -> Any:
         best, best_ms = configs[0], math.inf
         for config in configs:
             entry = {"kernel": kernel, "config": describe(config), "context": context}
-            ms = attempt(entry, "ms", lambda c=config: time_ms(lambda: run(c)))
+            ms = attempt(entry, "ms", lambda c=config: time_ms(timed(c)))
             results.append(entry)
             logger.info("sweep %s %s: %s ms", kernel, entry["config"], ms)
             if ms is not None and ms < best_ms:
                 best, best_ms = config, ms
         return best
 
-    best_index = fastest("indexer", INDEX_CONFIGS, layer.index)
+    best_index = fastest("indexer", INDEX_CONFIGS, lambda c: lambda: layer.index(c))
     selection = layer.index(best_index)
+    out = torch.empty_like(layer.q)
 
-    def block_major(config: AttentionConfig) -> torch.Tensor:
-        return layer.attend(selection, "block_major", config)
+    def attend_phase(config: AttentionConfig) -> Callable[[], Any]:
+        plan = layer.plan(selection, config)
+        return lambda: layer.attend_chunks(plan)
 
-    best_tile = fastest("block_major", [AttentionConfig(t) for t in BLOCK_MAJOR_CONFIGS], block_major)
+    def merge_phase(config: AttentionConfig) -> Callable[[], Any]:
+        plan = layer.plan(selection, config)
+        layer.attend_chunks(plan)
+        return lambda: layer.merge_chunks(plan, selection, out)
+
+    best = fastest("block_major attend", [AttentionConfig(t) for t in BLOCK_MAJOR_CONFIGS], attend_phase)
     sized = [
-        AttentionConfig(dataclasses.replace(best_tile.tuning, queries_per_item=per_item), workspace)
-        for per_item in QUERIES_PER_ITEM
+        AttentionConfig(dataclasses.replace(best.tuning, queries_per_item=tiles * best.tuning.tile_tokens), workspace)
+        for tiles in TILES_PER_ITEM
         for workspace in WORKSPACES
     ]
-    return best_index, fastest("block_major", sized, block_major), results
+    best = fastest("block_major", sized, lambda c: lambda: layer.attend(selection, "block_major", c))
+    merges = [
+        dataclasses.replace(best, tuning=dataclasses.replace(best.tuning, merge_num_warps=w, merge_num_stages=s))
+        for w, s in MERGE_CONFIGS
+    ]
+    return best_index, fastest("block_major merge", merges, merge_phase), results
 
 
-def measure(layer: Layer, index_tuning: IndexTuning, attn_tuning: AttentionConfig, dense: bool) -> dict[str, Any]:
+def measure(layer: Layer, index_tuning: IndexTuning, attn: AttentionConfig, dense: bool) -> dict[str, Any]:
     context = len(layer.q)
     row: dict[str, Any] = {"context": context}
     selection = layer.index(index_tuning)
     torch.cuda.synchronize()
     attempt(row, "indexer_ms", lambda: time_ms(lambda: layer.index(index_tuning)))
-    attempt(row, "csr_ms", lambda: time_ms(lambda: layer.csr(selection, attn_tuning)))
-    attempt(row, "block_major_ms", lambda: time_ms(lambda: layer.attend(selection, "block_major", attn_tuning)))
-    attempt(row, "query_major_ms", lambda: time_ms(lambda: layer.attend(selection, "query_major", attn_tuning)))
+    measure_phases(row, layer, selection, attn)
+    attempt(row, "block_major_ms", lambda: time_ms(lambda: layer.attend(selection, "block_major", attn)))
+    attempt(row, "query_major_ms", lambda: time_ms(lambda: layer.attend(selection, "query_major", attn)))
     attempt(
         row, "msa_total_ms",
-        lambda: time_ms(lambda: layer.attend(layer.index(index_tuning), "block_major", attn_tuning)),
+        lambda: time_ms(lambda: layer.attend(layer.index(index_tuning), "block_major", attn)),
     )  # fmt: skip
     attempt(row, "indexer_peak_mib", lambda: peak_extra_mib(lambda: layer.index(index_tuning)))
-    attempt(
-        row, "block_major_peak_mib", lambda: peak_extra_mib(lambda: layer.attend(selection, "block_major", attn_tuning))
-    )
-    flops = layer.attention_flops(selection)
-    for key in ("block_major", "query_major"):
-        if row.get(f"{key}_ms"):
-            row[f"{key}_tflops"] = flops / row[f"{key}_ms"] / 1e9
-    if row.get("indexer_ms"):
-        row["indexer_tflops"] = layer.index_flops() / row["indexer_ms"] / 1e9
+    attempt(row, "block_major_peak_mib", lambda: peak_extra_mib(lambda: layer.attend(selection, "block_major", attn)))
+    add_rates(row, layer, selection)
     if context <= 32768:  # the two attention methods agree on the same selection (bf16 rounding)
         attempt(
             row, "block_vs_query_max_abs_diff",
-            lambda: float((layer.attend(selection, "block_major", attn_tuning).float()
-                           - layer.attend(selection, "query_major", attn_tuning).float()).abs().max()),
+            lambda: float((layer.attend(selection, "block_major", attn).float()
+                           - layer.attend(selection, "query_major", attn).float()).abs().max()),
         )  # fmt: skip
     if dense:
         attempt(row, "flashinfer_ms", lambda: time_ms(dense_flashinfer(layer)))
@@ -284,6 +302,63 @@ def measure(layer: Layer, index_tuning: IndexTuning, attn_tuning: AttentionConfi
         candidates = [row[k] for k in ("flashinfer_ms", "sdpa_flash_ms") if row.get(k)]
         row["dense_ms"] = min(candidates) if candidates else None
     return row
+
+
+def measure_phases(row: dict[str, Any], layer: Layer, selection: torch.Tensor, attn: AttentionConfig) -> None:
+    """Block-major's phases apart, and the shape of its work: chunks, items, tiles per item."""
+    plan = layer.plan(selection, attn)
+    out = torch.empty_like(layer.q)
+    attempt(row, "csr_ms", lambda: time_ms(lambda: layer.plan(selection, attn)))
+    attempt(row, "attend_ms", lambda: time_ms(lambda: layer.attend_chunks(plan)))
+    attempt(row, "merge_ms", lambda: time_ms(lambda: layer.merge_chunks(plan, selection, out)))
+    items = plan.csr.items[plan.csr.items[:, int(ITEM_HEAD)] >= 0]
+    row["chunks"], row["work_items"] = plan.num_chunks, len(items)
+    tiles = (items[:, int(ITEM_END)] - items[:, int(ITEM_FIRST)] + plan.tile_tokens - 1) // plan.tile_tokens
+    row["tiles_per_item"] = float(tiles.float().mean())
+
+
+def add_rates(row: dict[str, Any], layer: Layer, selection: torch.Tensor) -> None:
+    """Achieved TFLOP/s and TB/s of the timed parts (README: what the bytes count)."""
+    pairs, keys = layer.selected_pairs(selection)
+    flops = 4.0 * HEAD_DIM * GROUP * keys
+    partials = pairs * GROUP * (HEAD_DIM * 2 + 4)  # bf16 partial rows and their fp32 LSEs
+    for key in ("block_major", "query_major", "attend"):
+        if row.get(f"{key}_ms"):
+            row[f"{key}_tflops"] = flops / row[f"{key}_ms"] / 1e9
+    if row.get("attend_ms"):  # q rows gathered, partials written, each item's K and V block
+        moved = pairs * GROUP * HEAD_DIM * 2 + partials + row["work_items"] * 2 * BLOCK * HEAD_DIM * 2
+        row["attend_tbps"] = moved / row["attend_ms"] / 1e9
+    if row.get("merge_ms"):  # partials read, output written
+        row["merge_tbps"] = (partials + len(layer.q) * Q_HEADS * HEAD_DIM * 2) / row["merge_ms"] / 1e9
+    if row.get("indexer_ms"):
+        row["indexer_tflops"] = layer.index_flops() / row["indexer_ms"] / 1e9
+
+
+def compiled_variants() -> list[dict[str, Any]]:
+    """Registers, spills and shared memory of every prefill kernel variant this process compiled."""
+    rows = []
+    for module in (prefill_index, prefill_csr, prefill_block_major, prefill_query_major):
+        for name, kernel in vars(module).items():
+            if not isinstance(kernel, triton.runtime.JITFunction):
+                continue
+            for caches in kernel.device_caches.values():
+                for entry in list(caches[0].values()):
+                    try:
+                        compiled = entry.result() if hasattr(entry, "result") else entry
+                        constants = {
+                            kernel.arg_names[index[0]]: value
+                            for index, value in compiled.src.constants.items()
+                            if isinstance(value, bool | int) and kernel.arg_names[index[0]].isupper()
+                        }
+                        rows.append({
+                            "kernel": name, "constexprs": " ".join(f"{k}={v}" for k, v in constants.items()),
+                            "warps": compiled.metadata.num_warps, "stages": compiled.metadata.num_stages,
+                            "registers": compiled.n_regs, "spills": compiled.n_spills,
+                            "shared_kib": compiled.metadata.shared / 1024,
+                        })  # fmt: skip
+                    except Exception as error:  # diagnostics only: never lose the results over them
+                        rows.append({"kernel": name, "error": f"{type(error).__name__}: {error}"[:200]})
+    return rows
 
 
 def finish_row(row: dict[str, Any], dense_reference: tuple[int, float] | None) -> None:
@@ -308,7 +383,7 @@ def main() -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     if args.table is not None:
         payload = json.loads(args.table.read_text())
-        print_tables(payload["rows"], payload.get("sweep", []))
+        print_tables(payload["rows"], payload.get("sweep", []), payload.get("compiled", []))
         return 0
     if not torch.cuda.is_available():
         raise SystemExit("bench.msa_prefill needs a CUDA GPU")
@@ -316,15 +391,17 @@ def main() -> int:
     contexts = [int(c) for c in args.contexts.split(",")]
     rows: list[dict[str, Any]] = []
     extra: dict[str, Any] = {"dims": dict(Hq=Q_HEADS, Hkv=KV_HEADS, D=HEAD_DIM, d=INDEX_DIM, B=BLOCK, K=TOPK)}
-    index_tuning, attn_tuning = IndexTuning(), AttentionConfig()
+    index_tuning, attn_config = IndexTuning(), AttentionConfig()
     if not args.no_sweep and SWEEP_CONTEXT in contexts:
         layer = Layer(SWEEP_CONTEXT, seed=0, device=torch.device("cuda"))
         try:
-            index_tuning, attn_tuning, extra["sweep"] = sweep(layer)
+            index_tuning, attn_config, extra["sweep"] = sweep(layer)
         except Exception:
             logger.error("sweep failed, using defaults:\n%s", traceback.format_exc())
         del layer
-    extra["index_tuning"], extra["attention_tuning"] = describe(index_tuning), describe(attn_tuning)
+        torch.cuda.empty_cache()
+        logger.info("sweep done after %.0f s", time.monotonic() - started)
+    extra["index_tuning"], extra["attention_tuning"] = describe(index_tuning), describe(attn_config)
     dense_reference = None
     for context in contexts:
         elapsed = time.monotonic() - started
@@ -335,7 +412,7 @@ def main() -> int:
         logger.info("context %d", context)
         try:
             layer = Layer(context, seed=context, device=torch.device("cuda"))
-            row = measure(layer, index_tuning, attn_tuning, dense=context <= DENSE_MAX_CONTEXT)
+            row = measure(layer, index_tuning, attn_config, dense=context <= DENSE_MAX_CONTEXT)
         except Exception as error:
             logger.error("context %d failed:\n%s", context, traceback.format_exc())
             row = {"context": context, "errors": {"setup": f"{type(error).__name__}: {error}"[:500]}}
@@ -346,20 +423,25 @@ def main() -> int:
         finish_row(row, dense_reference)
         rows.append(row)
         logger.info("%s", row)
+        extra["compiled"] = compiled_variants()
         write_results("msa_prefill", rows, extra, out_dir=args.out)
+    extra["compiled"] = compiled_variants()
     write_results("msa_prefill", rows, extra, out_dir=args.out)
-    print_tables(rows, extra.get("sweep", []))
+    print_tables(rows, extra.get("sweep", []), extra["compiled"])
     return 0
 
 
-COLUMNS = ["context", "indexer_ms", "csr_ms", "block_major_ms", "query_major_ms", "msa_total_ms", "dense_ms",
-           "dense_ms_extrapolated", "speedup_vs_dense", "block_vs_query_speedup", "block_major_tflops",
-           "indexer_tflops"]  # fmt: skip
+COLUMNS = ["context", "indexer_ms", "csr_ms", "attend_ms", "merge_ms", "block_major_ms", "query_major_ms",
+           "msa_total_ms", "dense_ms", "dense_ms_extrapolated", "speedup_vs_dense", "block_vs_query_speedup",
+           "attend_tflops", "attend_tbps", "merge_tbps", "indexer_tflops", "tiles_per_item"]  # fmt: skip
+COMPILED_COLUMNS = ["kernel", "constexprs", "warps", "stages", "registers", "spills", "shared_kib", "error"]
 
 
-def print_tables(rows: list[dict[str, Any]], sweep_rows: list[dict[str, Any]]) -> None:
-    """The sweep, then the results table last: the GPU run's reply shows the tail."""
-    tables = [markdown_table(sweep_rows, ["kernel", "config", "ms"])] if sweep_rows else []
+def print_tables(rows: list[dict[str, Any]], sweep_rows: list[dict[str, Any]], compiled: list[dict[str, Any]]) -> None:
+    """Compiled variants, the sweep, then the results table last: the GPU run's reply shows the tail."""
+    tables = [markdown_table(compiled, COMPILED_COLUMNS)] if compiled else []
+    if sweep_rows:
+        tables.append(markdown_table(sweep_rows, ["kernel", "config", "ms"]))
     tables.append(markdown_table(rows, COLUMNS))
     sys.stdout.write("\n\n".join(tables) + "\n")
 

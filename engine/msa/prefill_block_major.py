@@ -7,12 +7,21 @@ queries, ``TILE`` tokens x G query heads packed into the MMA M dimension; each r
 the block's keys is complete in one step (no rescaling loop), written as a normalised partial
 output in q's dtype plus its base-2 LSE.  Only the query's own block can be partially visible, so
 the causal mask is applied only to tiles that reach past the block's last key.  The merge kernel
-combines each token's <= K partials per query head, online, reading every partial once.
+combines each token's <= K partials per query head, reading every partial once.
 
 Traffic per (token, KV head, selected block): q rows read (G x D), partial written and read back
 (G x D each), so ~3 x G x D x itemsize bytes against 4 x G x B x D FLOPs: the partials, not the
 MMAs, bound this kernel pair (design/msa.md).  Tokens run in chunks so the partials stay bounded.
+
+Latency, not bandwidth, is what a tile waits on: each q row is a gather through the CSR entries.
+The entries of the next tile are loaded one tile ahead, so the q gather's addresses come from the
+previous iteration and the software pipeliner can issue it ``num_stages - 1`` tiles early (were the
+entries loaded in the same iteration, the gather would be a second indirection level and only
+ever be issued right before its wait).
 """
+
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 import triton
@@ -20,31 +29,73 @@ import triton.language as tl
 
 from m3stack.engine.attention.metadata import AttentionMetadata
 from m3stack.engine.msa.prefill_common import LOG2E, NEG_INF, PrefillTuning, load_kv_block, padded_dims
-from m3stack.engine.msa.prefill_csr import build_block_queries
+from m3stack.engine.msa.prefill_csr import (
+    ITEM_END,
+    ITEM_FIELDS,
+    ITEM_FIRST,
+    ITEM_FIRST_KEY,
+    ITEM_HEAD,
+    ITEM_NUM_KEYS,
+    ITEM_PAGE,
+    BlockQueries,
+    build_block_queries,
+)
 from m3stack.engine.msa.prefill_plan import global_blocks, token_requests
+
+# Default launch: 4 tokens x 16 heads = 64 MMA rows for one warp group, the next tile's rows
+# prefetched into registers; two CTAs per SM (sm_90, Triton 3.6: 253 registers, 80 KiB of shared
+# memory), so one CTA's softmax runs under the other's MMAs.
+DEFAULT_TILE_ROWS = 64
+DEFAULT_NUM_WARPS = 4
+DEFAULT_PREFETCH = True
+DEFAULT_PIPELINED_NUM_STAGES = 2  # without the register prefetch
+DEFAULT_TILES_PER_ITEM = 32
+DEFAULT_MERGE_NUM_WARPS = 4
+DEFAULT_MERGE_NUM_STAGES = 3
 
 
 # fmt: off
 @triton.jit
+def _tile_entries(entries_ptr, tile_lo, hi, TILE: tl.constexpr, GP: tl.constexpr):
+    """Entries (``t_local * K + slot``) of the tile's rows: each query's repeated for its GP heads."""
+    row_query = tl.arange(0, TILE * GP) // GP
+    return tl.load(entries_ptr + tile_lo + row_query, mask=tile_lo + row_query < hi, other=0)
+
+
+@triton.jit
+def _gather_rows(
+    q_ptr, positions_ptr, row_entry, tile_lo, hi, token_offset, head, stride_qt, stride_qh,
+    G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, K: tl.constexpr, TILE: tl.constexpr,
+):
+    """Token positions and q rows ``[TILE * GP, DP]`` of a tile (rows past ``hi`` or G read as zero)."""
+    m = tl.arange(0, TILE * GP)
+    row_head = m % GP
+    query_live = tile_lo + m // GP < hi
+    row_token = (token_offset + row_entry // K).to(tl.int64)
+    row_position = tl.load(positions_ptr + row_token, mask=query_live, other=2147483647)
+    d = tl.arange(0, DP)
+    q = tl.load(q_ptr + row_token[:, None] * stride_qt + (head * G + row_head)[:, None] * stride_qh + d[None, :],
+                mask=(query_live & (row_head < G))[:, None] & (d[None, :] < D), other=0.0)
+    return row_position, q
+
+
+@triton.jit
 def _block_major_kernel(
-    q_ptr, k_ptr, v_ptr, positions_ptr, block_page_ptr, block_first_pos_ptr, block_num_keys_ptr,
-    row_ptr_ptr, entries_ptr, item_bucket_ptr, item_start_ptr, chunk_items_ptr, part_o_ptr, part_lse_ptr,
-    chunk, token_offset, num_blocks, queries_per_item, scale_log2,
+    q_ptr, k_ptr, v_ptr, positions_ptr, items_ptr, entries_ptr, part_o_ptr, part_lse_ptr,
+    first_item, token_offset, scale_log2,
     stride_qt, stride_qh, stride_kp, stride_kh, stride_kb, stride_vp, stride_vh, stride_vb,
     HKV: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, B: tl.constexpr,
-    K: tl.constexpr, TILE: tl.constexpr, INPUT_PRECISION: tl.constexpr,
+    K: tl.constexpr, TILE: tl.constexpr, PREFETCH: tl.constexpr, INPUT_PRECISION: tl.constexpr,
 ):
-    item = tl.load(chunk_items_ptr + chunk) + tl.program_id(0)
-    if item >= tl.load(chunk_items_ptr + chunk + 1):
+    item = items_ptr + (first_item + tl.program_id(0)).to(tl.int64) * ITEM_FIELDS
+    head = tl.load(item + ITEM_HEAD)
+    if head < 0:
         return  # the grid is an upper bound on the chunk's items
-    bucket = tl.load(item_bucket_ptr + item)
-    lo = tl.load(item_start_ptr + item)
-    hi = tl.minimum(lo + queries_per_item, tl.load(row_ptr_ptr + bucket + 1))
-    block = bucket % num_blocks
-    head = (bucket // num_blocks) % HKV
-    first_key = tl.load(block_first_pos_ptr + block)
+    lo = tl.load(item + ITEM_FIRST)
+    hi = tl.load(item + ITEM_END)
+    first_key = tl.load(item + ITEM_FIRST_KEY)
     keys, values = load_kv_block(
-        k_ptr, v_ptr, tl.load(block_page_ptr + block), head, tl.load(block_num_keys_ptr + block),
+        k_ptr, v_ptr, tl.load(item + ITEM_PAGE).to(tl.int64), head, tl.load(item + ITEM_NUM_KEYS),
         stride_kp, stride_kh, stride_kb, stride_vp, stride_vh, stride_vb, B, D, DP,
     )
     keys_t = tl.trans(keys)
@@ -52,66 +103,76 @@ def _block_major_kernel(
     d = tl.arange(0, DP)
     # Rows are (query, head) pairs: a query's G heads are consecutive rows of q and of the partials.
     m = tl.arange(0, TILE * GP)
-    row_query = m // GP
     row_head = m % GP
+    row_entry = _tile_entries(entries_ptr, lo, hi, TILE, GP)
+    if PREFETCH:
+        next_position, next_q = _gather_rows(
+            q_ptr, positions_ptr, row_entry, lo, hi, token_offset, head, stride_qt, stride_qh, G, GP, D, DP, K, TILE)
     for tile_lo in range(lo, hi, TILE):
-        query_live = tile_lo + row_query < hi
-        row_live = query_live & (row_head < G)
-        row_entry = tl.load(entries_ptr + tile_lo + row_query, mask=query_live, other=0)  # t_local * K + slot
-        row_token = (token_offset + row_entry // K).to(tl.int64)
-        row_position = tl.load(positions_ptr + row_token, mask=query_live, other=2147483647)
-        q = tl.load(q_ptr + row_token[:, None] * stride_qt + (head * G + row_head)[:, None] * stride_qh + d[None, :],
-                    mask=row_live[:, None] & (d[None, :] < D), other=0.0)
-        scores = tl.dot(q, keys_t, input_precision=INPUT_PRECISION) * scale_log2
+        next_entry = _tile_entries(entries_ptr, tile_lo + TILE, hi, TILE, GP)
+        if PREFETCH:  # the next tile's rows go to registers now and land while this tile computes
+            row_position, q = next_position, next_q
+            next_position, next_q = _gather_rows(
+                q_ptr, positions_ptr, next_entry, tile_lo + TILE, hi, token_offset, head, stride_qt, stride_qh,
+                G, GP, D, DP, K, TILE)
+        else:  # the software pipeliner issues the gather num_stages - 1 tiles ahead, into shared memory
+            row_position, q = _gather_rows(
+                q_ptr, positions_ptr, row_entry, tile_lo, hi, token_offset, head, stride_qt, stride_qh,
+                G, GP, D, DP, K, TILE)
+        row_live = (tile_lo + m // GP < hi) & (row_head < G)
+        scores = tl.dot(q, keys_t, input_precision=INPUT_PRECISION)
         if tl.min(row_position, axis=0) < first_key + B - 1:
             scores = tl.where(key_position[None, :] <= row_position[:, None], scores, NEG_INF)
+        # The scale is folded into the exponent (one FMA per score); it is positive, so the row max
+        # of the raw scores is the max of the scaled ones.
         row_max = tl.max(scores, axis=1)
-        row_max = tl.where(row_max == NEG_INF, 0.0, row_max)
-        probs = tl.exp2(scores - row_max[:, None])
+        row_max = tl.where(row_max == NEG_INF, 0.0, row_max) * scale_log2
+        probs = tl.exp2(scores * scale_log2 - row_max[:, None])
         row_sum = tl.sum(probs, axis=1)
         out = tl.dot(probs.to(values.dtype), values, input_precision=INPUT_PRECISION)
-        out = out / tl.where(row_sum > 0, row_sum, 1.0)[:, None]
+        out = out * (1.0 / tl.where(row_sum > 0, row_sum, 1.0))[:, None]
         lse = tl.where(row_sum > 0, row_max + tl.log2(row_sum), NEG_INF)
         # Partials are [chunk_tokens, HKV, K, G, D]; the entry names the token and the slot.
         part_row = (((row_entry // K).to(tl.int64) * HKV + head) * K + row_entry % K) * G + row_head
         tl.store(part_o_ptr + part_row[:, None] * D + d[None, :], out.to(part_o_ptr.dtype.element_ty),
                  mask=row_live[:, None] & (d[None, :] < D))
         tl.store(part_lse_ptr + part_row, lse, mask=row_live)
+        row_entry = next_entry
 
 
 @triton.jit
 def _merge_kernel(
     part_o_ptr, part_lse_ptr, sel_ptr, positions_ptr, out_ptr, token_offset, stride_sh, stride_st, stride_ot, stride_oh,
     HKV: tl.constexpr, G: tl.constexpr, HQP: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, B: tl.constexpr,
-    K: tl.constexpr,
+    K: tl.constexpr, KP: tl.constexpr, NUM_STAGES: tl.constexpr,
 ):
-    """One token, all query heads: out = sum_k 2^(lse_k - lse) O_k over each KV group's valid slots,
-    combined online so every partial is read once."""
+    """One token, all query heads: out = sum_k 2^(lse_k - lse) O_k over each KV group's valid slots.
+    The LSEs of all slots come first (one small load), so the weights are final before the partials
+    stream in, each read once, with ``NUM_STAGES - 1`` slots in flight."""
     t_local = tl.program_id(0).to(tl.int64)
     token = token_offset + t_local
     q_block = (tl.load(positions_ptr + token) // B).to(tl.int32)
     row = tl.arange(0, HQP)  # query head = kv_head * G + g
     head = row // G
     row_live = row < HKV * G
+    slot = tl.arange(0, KP)
+    block = tl.load(sel_ptr + head[:, None] * stride_sh + token * stride_st + slot[None, :],
+                    mask=row_live[:, None] & (slot[None, :] < K), other=-1).to(tl.int32)
+    live = row_live[:, None] & (block >= 0) & (block <= q_block)
+    part_rows = ((t_local * HKV + head[:, None]) * K + slot[None, :]) * G + (row % G)[:, None]  # [HQP, KP]
+    lse = tl.load(part_lse_ptr + part_rows, mask=live, other=NEG_INF)
+    lse_max = tl.max(lse, axis=1)
+    weight = tl.exp2(lse - tl.where(lse_max == NEG_INF, 0.0, lse_max)[:, None])
+    weight = weight / tl.maximum(tl.sum(weight, axis=1), 1e-30)[:, None]  # rows with no slot stay 0
     d = tl.arange(0, DP)
     io_mask = row_live[:, None] & (d[None, :] < D)
-    run_max = tl.full((HQP,), NEG_INF, dtype=tl.float32)
-    total = tl.zeros((HQP,), dtype=tl.float32)
     acc = tl.zeros((HQP, DP), dtype=tl.float32)
-    for k in range(K):
-        block = tl.load(sel_ptr + head * stride_sh + token * stride_st + k, mask=row_live, other=-1).to(tl.int32)
-        live = row_live & (block >= 0) & (block <= q_block)
+    for k in tl.range(K, num_stages=NUM_STAGES):
+        slot_weight = tl.sum(tl.where(slot[None, :] == k, weight, 0.0), axis=1)
         part_row = ((t_local * HKV + head) * K + k) * G + row % G
-        lse = tl.load(part_lse_ptr + part_row, mask=live, other=NEG_INF)
-        part = tl.load(part_o_ptr + part_row[:, None] * D + d[None, :], mask=live[:, None] & io_mask, other=0.0)
-        new_max = tl.maximum(run_max, lse)
-        safe_max = tl.where(new_max == NEG_INF, 0.0, new_max)
-        alpha = tl.exp2(run_max - safe_max)
-        weight = tl.exp2(lse - safe_max)
-        total = total * alpha + weight
-        acc = acc * alpha[:, None] + weight[:, None] * part.to(tl.float32)
-        run_max = new_max
-    acc = acc / tl.where(total > 0, total, 1.0)[:, None]
+        part = tl.load(part_o_ptr + part_row[:, None] * D + d[None, :], mask=(slot_weight > 0)[:, None] & io_mask,
+                       other=0.0)
+        acc += slot_weight[:, None] * part.to(tl.float32)
     tl.store(out_ptr + token * stride_ot + row[:, None] * stride_oh + d[None, :], acc.to(out_ptr.dtype.element_ty),
              mask=io_mask)
 # fmt: on
@@ -121,6 +182,106 @@ def chunk_tokens_for(num_q_heads: int, topk: int, head_dim: int, dtype: torch.dt
     """Tokens per chunk so that the chunk's partial outputs and LSEs fit ``workspace_bytes``."""
     per_token = num_q_heads * topk * (head_dim * dtype.itemsize + 4)
     return max(1, workspace_bytes // per_token)
+
+
+@dataclass(frozen=True)
+class BlockMajorPlan:
+    """What the chunk loop needs: the inverted selection, the partials workspace, launch shapes."""
+
+    csr: BlockQueries
+    part_o: torch.Tensor  # [chunk_tokens, Hkv, K, G, D] in q's dtype
+    part_lse: torch.Tensor  # [chunk_tokens, Hkv, K, G] float32
+    tile_tokens: int
+    tuning: PrefillTuning
+
+    @property
+    def num_chunks(self) -> int:
+        return self.csr.num_chunks
+
+
+def tile_tokens_for(group_padded: int, tuning: PrefillTuning) -> int:
+    """Tokens per query tile: ``tile_tokens`` or DEFAULT_TILE_ROWS MMA rows, at least 16 rows for tl.dot."""
+    return max(tuning.tile_tokens or DEFAULT_TILE_ROWS // group_padded, triton.cdiv(16, group_padded))
+
+
+def plan_block_major(
+    q: torch.Tensor, selection: torch.Tensor, metadata: AttentionMetadata, workspace_bytes: int, tuning: PrefillTuning
+) -> BlockMajorPlan:
+    """Invert ``selection`` and allocate the partials (arguments checked by ``sparse_prefill``)."""
+    num_tokens, num_q_heads, head_dim = q.shape
+    num_kv_heads, _, topk = selection.shape
+    dims = padded_dims(num_q_heads, num_kv_heads, head_dim)
+    tile_tokens = tile_tokens_for(dims["GP"], tuning)
+    chunk_tokens = min(num_tokens, chunk_tokens_for(num_q_heads, topk, head_dim, q.dtype, workspace_bytes))
+    queries_per_item = tuning.queries_per_item or DEFAULT_TILES_PER_ITEM * tile_tokens
+    csr = build_block_queries(
+        selection, metadata.positions, token_requests(metadata), global_blocks(metadata), metadata.block_size,
+        chunk_tokens, queries_per_item,
+    )  # fmt: skip
+    return BlockMajorPlan(
+        csr=csr,
+        part_o=torch.empty((chunk_tokens, num_kv_heads, topk, dims["G"], head_dim), dtype=q.dtype, device=q.device),
+        part_lse=torch.empty((chunk_tokens, num_kv_heads, topk, dims["G"]), dtype=torch.float32, device=q.device),
+        tile_tokens=tile_tokens,
+        tuning=tuning,
+    )
+
+
+def attention_launch(tuning: PrefillTuning) -> dict[str, Any]:
+    """The attention kernel's launch options for ``tuning``, defaults filled in."""
+    prefetch = DEFAULT_PREFETCH if tuning.prefetch is None else tuning.prefetch
+    return dict(
+        PREFETCH=prefetch,
+        num_warps=tuning.num_warps or DEFAULT_NUM_WARPS,
+        num_stages=tuning.num_stages or (1 if prefetch else DEFAULT_PIPELINED_NUM_STAGES),
+    )
+
+
+def merge_launch(tuning: PrefillTuning) -> dict[str, Any]:
+    """The merge kernel's launch options for ``tuning``, defaults filled in."""
+    return dict(
+        NUM_STAGES=tuning.merge_num_stages or DEFAULT_MERGE_NUM_STAGES,
+        num_warps=tuning.merge_num_warps or DEFAULT_MERGE_NUM_WARPS,
+    )
+
+
+def attend_chunk(
+    plan: BlockMajorPlan,
+    chunk: int,
+    q: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    metadata: AttentionMetadata,
+    scale: float,
+) -> None:
+    """Partial outputs and LSEs of chunk ``chunk``'s tokens, one per (token, KV head, selected block)."""
+    num_q_heads, head_dim = q.shape[1:]
+    num_kv_heads = key_cache.shape[1]
+    csr = plan.csr
+    _block_major_kernel[(csr.items_per_chunk,)](
+        q, key_cache, value_cache, metadata.positions, csr.items, csr.entries, plan.part_o, plan.part_lse,
+        chunk * csr.items_per_chunk, chunk * csr.chunk_tokens, scale * LOG2E,
+        q.stride(0), q.stride(1), *key_cache.stride()[:3], *value_cache.stride()[:3],
+        HKV=num_kv_heads, B=metadata.block_size, K=plan.part_o.shape[2], TILE=plan.tile_tokens,
+        INPUT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        **padded_dims(num_q_heads, num_kv_heads, head_dim), **attention_launch(plan.tuning),
+    )  # fmt: skip
+
+
+def merge_chunk(
+    plan: BlockMajorPlan, chunk: int, selection: torch.Tensor, metadata: AttentionMetadata, out: torch.Tensor
+) -> None:
+    """``out`` rows of chunk ``chunk``'s tokens from their partials."""
+    num_tokens, num_q_heads, head_dim = out.shape
+    num_kv_heads, _, topk = selection.shape
+    token_offset = chunk * plan.csr.chunk_tokens
+    _merge_kernel[(min(plan.csr.chunk_tokens, num_tokens - token_offset),)](
+        plan.part_o, plan.part_lse, selection, metadata.positions, out,
+        token_offset, selection.stride(0), selection.stride(1), out.stride(0), out.stride(1),
+        HKV=num_kv_heads, G=num_q_heads // num_kv_heads, HQP=triton.next_power_of_2(num_q_heads), D=head_dim,
+        DP=max(16, triton.next_power_of_2(head_dim)), B=metadata.block_size, K=topk, KP=triton.next_power_of_2(topk),
+        **merge_launch(plan.tuning),
+    )  # fmt: skip
 
 
 def block_major_attention(
@@ -135,34 +296,7 @@ def block_major_attention(
     tuning: PrefillTuning,
 ) -> None:
     """Write the sparse attention of ``q`` into ``out`` (arguments checked by ``sparse_prefill``)."""
-    num_tokens, num_q_heads, head_dim = q.shape
-    num_kv_heads, _, topk = selection.shape
-    dims = padded_dims(num_q_heads, num_kv_heads, head_dim)
-    block_size = metadata.block_size
-    # TILE * GP rows per query tile: 128 for M3 (8 tokens x 16 heads), at least 16 for tl.dot.
-    tile_tokens = max(tuning.tile_tokens or 128 // dims["GP"], triton.cdiv(16, dims["GP"]))
-    chunk_tokens = min(num_tokens, chunk_tokens_for(num_q_heads, topk, head_dim, q.dtype, workspace_bytes))
-    blocks = global_blocks(metadata)
-    csr = build_block_queries(
-        selection, metadata.positions, token_requests(metadata), blocks, block_size, chunk_tokens,
-        tuning.queries_per_item or 16 * tile_tokens,
-    )  # fmt: skip
-    part_o = torch.empty((chunk_tokens, num_kv_heads, topk, dims["G"], head_dim), dtype=q.dtype, device=q.device)
-    part_lse = torch.empty((chunk_tokens, num_kv_heads, topk, dims["G"]), dtype=torch.float32, device=q.device)
-    precision = "ieee" if q.dtype == torch.float32 else "tf32"
-    for chunk in range(csr.num_chunks):
-        token_offset = chunk * chunk_tokens
-        _block_major_kernel[(csr.items_bound(chunk, num_tokens, num_kv_heads, topk),)](
-            q, key_cache, value_cache, metadata.positions, blocks.page, blocks.first_position, blocks.num_keys,
-            csr.row_ptr, csr.entries, csr.item_bucket, csr.item_start, csr.chunk_items, part_o, part_lse,
-            chunk, token_offset, csr.num_blocks, csr.queries_per_item, scale * LOG2E,
-            q.stride(0), q.stride(1), *key_cache.stride()[:3], *value_cache.stride()[:3],
-            HKV=num_kv_heads, B=block_size, K=topk, TILE=tile_tokens,
-            INPUT_PRECISION=precision, num_warps=tuning.num_warps or 8, num_stages=tuning.num_stages or 2, **dims,
-        )  # fmt: skip
-        _merge_kernel[(min(chunk_tokens, num_tokens - token_offset),)](
-            part_o, part_lse, selection, metadata.positions, out,
-            token_offset, selection.stride(0), selection.stride(1), out.stride(0), out.stride(1),
-            HKV=num_kv_heads, G=dims["G"], HQP=triton.next_power_of_2(num_q_heads), D=head_dim, DP=dims["DP"],
-            B=block_size, K=topk, num_warps=tuning.merge_num_warps or 4,
-        )  # fmt: skip
+    plan = plan_block_major(q, selection, metadata, workspace_bytes, tuning)
+    for chunk in range(plan.num_chunks):
+        attend_chunk(plan, chunk, q, key_cache, value_cache, metadata, scale)
+        merge_chunk(plan, chunk, selection, metadata, out)

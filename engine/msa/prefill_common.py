@@ -16,8 +16,12 @@ class PrefillTuning:
     tile_tokens: int | None = None  # block-major: tokens per query tile (x G heads = MMA M rows)
     queries_per_item: int | None = None  # block-major: most queries one work item serves
     num_warps: int | None = None  # block-major attention kernel
-    num_stages: int | None = None  # block-major and query-major kernels
+    # block-major: load the next tile's q rows into registers during this tile (True), or let the
+    # software pipeliner stage them in shared memory num_stages - 1 tiles ahead (False)
+    prefetch: bool | None = None
+    num_stages: int | None = None  # block-major (pipeliner path) and query-major kernels
     merge_num_warps: int | None = None
+    merge_num_stages: int | None = None  # partials in flight per merge program, plus one
     query_major_num_warps: int | None = None
 
 

@@ -9,7 +9,11 @@ at or before the query's own block (``-1`` padding and future or out-of-range bl
 exactly as causal masking would drop them).
 
 Work items split each bucket into runs of at most ``queries_per_item`` entries so one hot block
-(a sink every query picks) cannot leave one program running long after the others.
+(a sink every query picks) cannot leave one program running long after the others.  Each item is one
+32-byte row of ``items`` holding everything its program needs before it loads K and V (head, entry
+range, page, first key position, key count), so the attention kernel starts with one dependent load;
+chunk ``c``'s items start at row ``c * items_per_chunk`` (a host-known bound) and unused rows have
+head -1, so no device-side item count is needed either.
 
 Order within a bucket comes from atomics and is arbitrary; results do not depend on it because
 each (query, block) partial is computed by one row of one program, independently of its neighbours.
@@ -27,31 +31,36 @@ _ENTRIES_PER_PROGRAM = 1024
 _BUCKETS_PER_PROGRAM = 128
 
 
+# Columns of a work-item row (int32), constexprs so kernels can use them (``int()`` on the host); a
+# row is padded to ITEM_FIELDS columns, one aligned 32-byte load.
+ITEM_HEAD = tl.constexpr(0)
+ITEM_BLOCK = tl.constexpr(1)  # global block id
+ITEM_FIRST = tl.constexpr(2)  # first entry
+ITEM_END = tl.constexpr(3)  # one past the last entry
+ITEM_PAGE = tl.constexpr(4)
+ITEM_FIRST_KEY = tl.constexpr(5)  # position of the block's first key
+ITEM_NUM_KEYS = tl.constexpr(6)
+ITEM_FIELDS = tl.constexpr(8)
+
+
 @dataclass(frozen=True)
 class BlockQueries:
     row_ptr: torch.Tensor  # [num_buckets + 1] int32, entries of bucket b: row_ptr[b] .. row_ptr[b + 1]
     entries: torch.Tensor  # [Hkv * T * K] int32, t_local * K + slot (only the first row_ptr[-1] are used)
-    item_bucket: torch.Tensor  # [items_bound] int32, -1 past the last item
-    item_start: torch.Tensor  # [items_bound] int32, first entry of the item
-    chunk_items: torch.Tensor  # [num_chunks + 1] int32, items of chunk c: chunk_items[c] .. chunk_items[c + 1]
+    items: torch.Tensor  # [num_chunks * items_per_chunk, ITEM_FIELDS] int32, ITEM_* columns; head -1: unused
+    items_per_chunk: int  # rows reserved per chunk (an upper bound on any chunk's items)
     num_chunks: int
     chunk_tokens: int
     num_blocks: int  # NB, global blocks in the batch
     queries_per_item: int
 
-    def items_bound(self, chunk: int, num_tokens: int, num_kv_heads: int, topk: int) -> int:
-        """Upper bound on the work items of ``chunk`` (a launch grid needs it before the data exists)."""
-        return _chunk_items_bound(
-            chunk, num_tokens, self.chunk_tokens, num_kv_heads, topk, self.num_blocks, self.queries_per_item
-        )
 
-
-def _chunk_items_bound(
-    chunk: int, num_tokens: int, chunk_tokens: int, num_kv_heads: int, topk: int, num_blocks: int, per_item: int
+def items_per_chunk_bound(
+    chunk_tokens: int, num_tokens: int, num_kv_heads: int, topk: int, num_blocks: int, per_item: int
 ) -> int:
-    """Each non-empty bucket of the chunk has one partial item at most; the full ones are bounded
-    by the chunk's entry count."""
-    entries = num_kv_heads * min(chunk_tokens, num_tokens - chunk * chunk_tokens) * topk
+    """Upper bound on the work items of any chunk: each non-empty bucket has one partial item at
+    most; the full ones are bounded by the chunk's entry count."""
+    entries = num_kv_heads * min(chunk_tokens, num_tokens) * topk
     return min(num_kv_heads * num_blocks, entries) + triton.cdiv(entries, per_item)
 
 
@@ -103,19 +112,37 @@ def _bucket_pass_kernel(
 
 @triton.jit
 def _items_kernel(
-    row_ptr_ptr, item_ptr_ptr, item_bucket_ptr, item_start_ptr, n_buckets, queries_per_item,
-    BLOCK: tl.constexpr,
+    row_ptr_ptr, item_ptr_ptr, block_page_ptr, block_first_pos_ptr, block_num_keys_ptr, items_ptr,
+    n_buckets, queries_per_item, items_per_chunk, NB,
+    HKV: tl.constexpr, BLOCK: tl.constexpr,
 ):
-    """Write one (bucket, first entry) work item per run of ``queries_per_item`` entries."""
+    """Write one row per run of ``queries_per_item`` entries of each bucket (module docstring)."""
     bucket = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     in_range = bucket < n_buckets
+    chunk = bucket // (HKV * NB)
+    block = bucket % NB
     first_item = tl.load(item_ptr_ptr + bucket, mask=in_range, other=0)
     num_items = tl.load(item_ptr_ptr + bucket + 1, mask=in_range, other=0) - first_item
+    # Row within the chunk's reserved range: items before this bucket since the chunk's first one.
+    chunk_first_item = tl.load(item_ptr_ptr + chunk * HKV * NB, mask=in_range, other=0)
+    row = (chunk * items_per_chunk + first_item - chunk_first_item).to(tl.int64) * ITEM_FIELDS
     first_entry = tl.load(row_ptr_ptr + bucket, mask=in_range, other=0)
+    end_entry = tl.load(row_ptr_ptr + bucket + 1, mask=in_range, other=0)
+    page = tl.load(block_page_ptr + block, mask=in_range, other=0).to(tl.int32)
+    first_key = tl.load(block_first_pos_ptr + block, mask=in_range, other=0)
+    num_keys = tl.load(block_num_keys_ptr + block, mask=in_range, other=0)
+    head = (bucket // NB) % HKV
     for j in range(tl.max(num_items, axis=0)):
         live = j < num_items
-        tl.store(item_bucket_ptr + first_item + j, bucket, mask=live)
-        tl.store(item_start_ptr + first_item + j, first_entry + j * queries_per_item, mask=live)
+        lo = first_entry + j * queries_per_item
+        out = items_ptr + row + j * ITEM_FIELDS
+        tl.store(out + ITEM_HEAD, head, mask=live)
+        tl.store(out + ITEM_BLOCK, block, mask=live)
+        tl.store(out + ITEM_FIRST, lo, mask=live)
+        tl.store(out + ITEM_END, tl.minimum(lo + queries_per_item, end_entry), mask=live)
+        tl.store(out + ITEM_PAGE, page, mask=live)
+        tl.store(out + ITEM_FIRST_KEY, first_key, mask=live)
+        tl.store(out + ITEM_NUM_KEYS, num_keys, mask=live)
 
 
 # fmt: on
@@ -155,23 +182,19 @@ def build_block_queries(
         torch.cumsum(counts, 0, dtype=torch.int32, out=row_ptr[1:])
         _bucket_pass_kernel[grid](*common, counts, row_ptr, rank, entries, *shape, FILL=True, **consts)
     item_ptr = _exclusive_cumsum((counts + queries_per_item - 1) // queries_per_item)
-    items_bound = sum(
-        _chunk_items_bound(c, num_tokens, chunk_tokens, num_kv_heads, topk, blocks.count, queries_per_item)
-        for c in range(num_chunks)
-    )
-    item_bucket = torch.full((max(items_bound, 1),), -1, dtype=torch.int32, device=device)
-    item_start = torch.empty_like(item_bucket)
+    per_chunk = items_per_chunk_bound(chunk_tokens, num_tokens, num_kv_heads, topk, blocks.count, queries_per_item)
+    items = torch.full((num_chunks * per_chunk, int(ITEM_FIELDS)), -1, dtype=torch.int32, device=device)
     if num_buckets:
         _items_kernel[(triton.cdiv(num_buckets, _BUCKETS_PER_PROGRAM),)](
-            row_ptr, item_ptr, item_bucket, item_start, num_buckets, queries_per_item, BLOCK=_BUCKETS_PER_PROGRAM,
+            row_ptr, item_ptr, blocks.page, blocks.first_position, blocks.num_keys, items,
+            num_buckets, queries_per_item, per_chunk, blocks.count,
+            HKV=num_kv_heads, BLOCK=_BUCKETS_PER_PROGRAM,
         )  # fmt: skip
-    chunk_first_bucket = torch.arange(num_chunks + 1, device=device) * (num_kv_heads * blocks.count)
     return BlockQueries(
         row_ptr=row_ptr,
         entries=entries,
-        item_bucket=item_bucket,
-        item_start=item_start,
-        chunk_items=item_ptr[chunk_first_bucket],
+        items=items,
+        items_per_chunk=per_chunk,
         num_chunks=num_chunks,
         chunk_tokens=chunk_tokens,
         num_blocks=blocks.count,

@@ -133,12 +133,17 @@ def _index_topk_kernel(
     st_score, st_id = _topk_init(TILE * HP, KP, K_RANK)
     key_offsets = tl.arange(0, B)[:, None] * stride_kb + d[None, :]
     page_row = page_table_ptr + request.to(tl.int64) * stride_pt
+    # The next block's page id is loaded one block ahead, so the key load's address comes from the
+    # previous iteration and the software pipeliner can issue it num_stages - 1 blocks early (an
+    # indirection inside the iteration would cost it a stage).
+    page = tl.load(page_row + block_lo, mask=block_lo < block_hi, other=0)
     for block in range(block_lo, block_hi):
-        page = tl.load(page_row + block).to(tl.int64)
-        keys = tl.load(key_ptr + page * stride_kp + key_offsets, mask=d[None, :] < D, other=0.0)
+        next_page = tl.load(page_row + block + 1, mask=block + 1 < block_hi, other=0)
+        keys = tl.load(key_ptr + page.to(tl.int64) * stride_kp + key_offsets, mask=d[None, :] < D, other=0.0)
         block_max = tl.max(tl.dot(q, tl.trans(keys), input_precision=INPUT_PRECISION), axis=1)
         block_max = tl.where(block < first_local, block_max, NEG_INF)
         st_score, st_id = _topk_insert(st_score, st_id, block_max, tl.zeros_like(first_local) + block)
+        page = next_page
     if NUM_SPLITS == 1:
         row_offset = (head * n_tokens + token) * K
         _store_selection(out_ptr, row_offset, row_mask, st_score, st_id, first_local, num_local, K, KP, K_RANK)
@@ -204,6 +209,13 @@ def default_key_splits(num_tiles: int, max_blocks: int, device: torch.device) ->
     return max(1, min(slots // max(num_tiles, 1), max_blocks // 64, 32))
 
 
+def index_launch(tuning: IndexTuning) -> dict[str, int]:
+    """Launch options of the index kernel.  Default: two CTAs per SM (sm_90, Triton 3.6: 128
+    registers, 96 KiB of shared memory), each prefetching the next key block while the other
+    computes; 3 stages prefetch two blocks ahead but fit one CTA per SM (bench.msa_prefill sweeps both)."""
+    return dict(num_warps=tuning.num_warps or 8, num_stages=tuning.num_stages or 2)
+
+
 def prefill_index_topk(
     index_q: torch.Tensor,
     index_key_cache: torch.Tensor,
@@ -242,7 +254,7 @@ def prefill_index_topk(
     shape_args = dict(
         H=num_heads, HP=heads_padded, B=block_size, TILE=tile_tokens, K=topk, KP=slots_padded, LOCAL=local_blocks
     )
-    launch = dict(num_warps=tuning.num_warps or 8, num_stages=tuning.num_stages or 3)
+    launch = index_launch(tuning)
     _index_topk_kernel[(tiles.count, num_splits)](
         index_q, index_key_cache, metadata.page_table, metadata.positions, tiles.table,
         out, cand_score, cand_id,

@@ -9,6 +9,7 @@ dense); unused cache slots are NaN, so any read of them shows.
 import pytest
 import torch
 
+from bench.msa_prefill import BLOCK_MAJOR_CONFIGS, INDEX_CONFIGS, describe
 from m3stack.engine.msa import reference
 from m3stack.engine.msa.prefill_attention import sparse_prefill
 from m3stack.engine.msa.prefill_common import PrefillTuning
@@ -48,9 +49,7 @@ def _sampled_rows(start: int, stop: int, generator: torch.Generator) -> torch.Te
     return torch.unique(torch.cat([torch.tensor([0, count - 1]), picks])) + start
 
 
-def test_selection_matches_reference(case: tuple[PagedBatch, torch.Tensor, torch.Tensor]) -> None:
-    batch, _, index_q = case
-    selection = prefill_index_topk(index_q, batch.index_key_cache, batch.metadata, TOPK, LOCAL)
+def _assert_selection_matches_reference(batch: PagedBatch, index_q: torch.Tensor, selection: torch.Tensor) -> None:
     for request, (start, stop) in enumerate(batch.token_ranges):
         positions = batch.request_positions(request)
         expected = reference.index_block_topk(
@@ -58,6 +57,12 @@ def test_selection_matches_reference(case: tuple[PagedBatch, torch.Tensor, torch
         )
         scores = reference.block_scores(index_q[start:stop], batch.index_keys[request], positions, BLOCK)
         assert_selection_matches(selection[:, start:stop], expected, scores, LOCAL, SCORE_TOLERANCE)
+
+
+def test_selection_matches_reference(case: tuple[PagedBatch, torch.Tensor, torch.Tensor]) -> None:
+    batch, _, index_q = case
+    selection = prefill_index_topk(index_q, batch.index_key_cache, batch.metadata, TOPK, LOCAL)
+    _assert_selection_matches_reference(batch, index_q, selection)
     # One pass over the keys, or the key range split over programs and merged: the very same selection.
     for splits in (1, 3):
         tuning = IndexTuning(key_splits=splits)
@@ -65,11 +70,26 @@ def test_selection_matches_reference(case: tuple[PagedBatch, torch.Tensor, torch
                            selection)  # fmt: skip
 
 
-@pytest.mark.parametrize("method", ["block_major", "query_major"])
-def test_attention_matches_reference(case: tuple[PagedBatch, torch.Tensor, torch.Tensor], method: str) -> None:
+@pytest.mark.parametrize("tuning", INDEX_CONFIGS[1:], ids=describe)
+def test_selection_launch_configs(case: tuple[PagedBatch, torch.Tensor, torch.Tensor], tuning: IndexTuning) -> None:
+    """Every indexer launch the benchmark sweeps (the default is checked above) selects correctly."""
+    batch, _, index_q = case
+    selection = prefill_index_topk(index_q, batch.index_key_cache, batch.metadata, TOPK, LOCAL, tuning)
+    _assert_selection_matches_reference(batch, index_q, selection)
+
+
+@pytest.mark.parametrize(
+    ("method", "tuning"),
+    [("block_major", None), ("query_major", None)] + [("block_major", t) for t in BLOCK_MAJOR_CONFIGS[1:]],
+    ids=lambda value: describe(value) if isinstance(value, PrefillTuning) else str(value),
+)
+def test_attention_matches_reference(
+    case: tuple[PagedBatch, torch.Tensor, torch.Tensor], method: str, tuning: PrefillTuning | None
+) -> None:
+    """Both methods with their default launches, and block-major in every launch config the benchmark sweeps."""
     batch, q, index_q = case
     selection = prefill_index_topk(index_q, batch.index_key_cache, batch.metadata, TOPK, LOCAL)
-    out = sparse_prefill(q, batch.key_cache, batch.value_cache, selection, batch.metadata, SCALE, method)
+    out = sparse_prefill(q, batch.key_cache, batch.value_cache, selection, batch.metadata, SCALE, method, tuning=tuning)
     assert torch.isfinite(out).all()
     generator = torch.Generator().manual_seed(0)
     for request, (start, stop) in enumerate(batch.token_ranges):

@@ -1,6 +1,7 @@
 """Sparse prefill attention (KV-block-major and query-major) and its CSR inversion against the fp32
 reference, on CPU under the Triton interpreter (float32 and float16; see test_prefill_index)."""
 
+import dataclasses
 import os
 
 os.environ.setdefault("TRITON_INTERPRET", "1")  # before any kernel module is imported
@@ -11,7 +12,16 @@ import torch
 from m3stack.engine.msa import reference
 from m3stack.engine.msa.prefill_attention import sparse_prefill
 from m3stack.engine.msa.prefill_common import PrefillTuning
-from m3stack.engine.msa.prefill_csr import build_block_queries
+from m3stack.engine.msa.prefill_csr import (
+    ITEM_BLOCK,
+    ITEM_END,
+    ITEM_FIRST,
+    ITEM_FIRST_KEY,
+    ITEM_HEAD,
+    ITEM_NUM_KEYS,
+    ITEM_PAGE,
+    build_block_queries,
+)
 from m3stack.engine.msa.prefill_plan import global_blocks, token_requests
 from tests.engine.msa.prefill_support import PagedBatch, paged_batch
 
@@ -73,27 +83,30 @@ def _assert_close(out: torch.Tensor, expected: torch.Tensor) -> None:
 
 
 @pytest.mark.parametrize(
-    ("method", "dtype", "workspace_tokens"),
+    ("method", "dtype", "workspace_tokens", "prefetch"),
     [
-        ("block_major", torch.float32, None),
-        ("block_major", torch.float16, None),
-        ("block_major", torch.float32, 20),
-        ("query_major", torch.float16, None),
+        ("block_major", torch.float32, None, True),
+        ("block_major", torch.float16, None, True),
+        ("block_major", torch.float32, 20, True),
+        ("block_major", torch.float16, None, False),
+        ("query_major", torch.float16, None, None),
     ],
-    ids=["block-major-fp32", "block-major-fp16", "block-major-chunked", "query-major-fp16"],
+    ids=["block-major-fp32", "block-major-fp16", "block-major-chunked", "block-major-pipelined", "query-major-fp16"],
 )
 def test_matches_reference(
     cases: dict[torch.dtype, tuple[PagedBatch, torch.Tensor, torch.Tensor]],
     method: str,
     dtype: torch.dtype,
     workspace_tokens: int | None,
+    prefetch: bool | None,
 ) -> None:
     batch, q, selection = cases[dtype]
     kwargs = {}
     if workspace_tokens:  # room for the partials of 20 tokens: the 66 tokens run in 4 chunks
         kwargs["workspace_bytes"] = workspace_tokens * KV_HEADS * GROUP * TOPK * (HEAD_DIM * q.dtype.itemsize + 4)
+    tuning = dataclasses.replace(TUNING, prefetch=prefetch)
     out = sparse_prefill(
-        q, batch.key_cache, batch.value_cache, selection, batch.metadata, SCALE, method, tuning=TUNING, **kwargs
+        q, batch.key_cache, batch.value_cache, selection, batch.metadata, SCALE, method, tuning=tuning, **kwargs
     )
     _assert_close(out, _reference(batch, q, selection))
 
@@ -152,16 +165,26 @@ def test_block_queries_invert_the_selection() -> None:
         if row_ptr[bucket + 1] > row_ptr[bucket]
     }
     assert got == expected
-    # Work items tile every bucket in runs of at most per_item entries, chunk by chunk.
-    items = csr.chunk_items.tolist()
-    assert items[0] == 0 and items[-1] == sum(-(-len(v) // per_item) for v in expected.values())
-    starts = sorted(zip(csr.item_bucket[: items[-1]].tolist(), csr.item_start[: items[-1]].tolist(), strict=True))
-    assert starts == sorted(
-        (bucket, row_ptr[bucket] + i * per_item)
-        for bucket, v in expected.items()
-        for i in range(-(-len(v) // per_item))
+    # Work items tile every bucket in runs of at most per_item entries, each chunk's from its own row
+    # range; every item row names its block's page, first key position and key count.
+    items = csr.items.tolist()
+    used = [row for row in items if row[int(ITEM_HEAD)] >= 0]
+    got_items = sorted(
+        (row[int(ITEM_HEAD)], row[int(ITEM_BLOCK)], row[int(ITEM_FIRST)], row[int(ITEM_END)]) for row in used
     )
-    assert (csr.item_bucket[items[-1] :] == -1).all()
+    expected_items = []
+    for bucket in expected:
+        (chunk, head), block = divmod(bucket // blocks.count, KV_HEADS), bucket % blocks.count
+        for first in range(row_ptr[bucket], row_ptr[bucket + 1], per_item):
+            expected_items.append((head, block, first, min(first + per_item, row_ptr[bucket + 1])))
+            chunk_rows = range(chunk * csr.items_per_chunk, (chunk + 1) * csr.items_per_chunk)
+            assert any(items[r][int(ITEM_FIRST)] == first and items[r][int(ITEM_HEAD)] == head for r in chunk_rows)
+    assert got_items == sorted(expected_items)
+    for row in used:
+        block = row[int(ITEM_BLOCK)]
+        assert row[int(ITEM_PAGE)] == int(blocks.page[block])
+        assert row[int(ITEM_FIRST_KEY)] == int(blocks.first_position[block])
+        assert row[int(ITEM_NUM_KEYS)] == int(blocks.num_keys[block])
 
 
 def test_bad_inputs_are_rejected() -> None:
