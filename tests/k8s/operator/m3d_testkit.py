@@ -31,8 +31,19 @@ GROUP = "m3stack-operator"
 T = TypeVar("T")
 
 
-def wait_for(what: str, probe: Callable[[], T | None], timeout_s: float = 60.0, interval_s: float = 0.3) -> T:
-    """Polls probe() until it returns something truthy, and returns that."""
+# Upper bounds only (a healthy run takes seconds): the control plane shares two cores with the rest
+# of the suite, and a loaded CI machine must not turn slowness into failures.
+WAIT_S = 120.0
+
+
+def wait_for(
+    what: str,
+    probe: Callable[[], T | None],
+    timeout_s: float = WAIT_S,
+    interval_s: float = 0.3,
+    detail: Callable[[], str] | None = None,
+) -> T:
+    """Polls probe() until it returns something truthy, and returns that; ``detail`` explains a timeout."""
     deadline = time.monotonic() + timeout_s
     last: Any = None
     while time.monotonic() < deadline:
@@ -40,7 +51,8 @@ def wait_for(what: str, probe: Callable[[], T | None], timeout_s: float = 60.0, 
         if last:
             return last
         time.sleep(interval_s)
-    pytest.fail(f"timed out after {timeout_s:.0f}s waiting for {what} (last: {str(last)[:2000]})")
+    context = detail() if detail is not None else f"last: {str(last)[:2000]}"
+    pytest.fail(f"timed out after {timeout_s:.0f}s waiting for {what} ({context})")
 
 
 class Kube:
@@ -79,7 +91,7 @@ class Kube:
                 return condition
         return {}
 
-    def wait_ready(self, name: str, timeout_s: float = 90.0) -> dict[str, Any]:
+    def wait_ready(self, name: str, timeout_s: float = 2 * WAIT_S) -> dict[str, Any]:
         """Waits until Ready is True for the current generation, and returns the resource."""
 
         def ready() -> dict[str, Any] | None:
@@ -90,7 +102,11 @@ class Kube:
             settled = conditions.get("Progressing", {}).get("status") == "False"
             return body if current and settled and conditions.get("Ready", {}).get("status") == "True" else None
 
-        return wait_for(f"M3Deployment {name} to be Ready", ready, timeout_s)
+        def status() -> str:
+            body = self.try_json("get", "m3deployment", name) or {}
+            return f"generation {body.get('metadata', {}).get('generation')}, status {json.dumps(body.get('status'))}"
+
+        return wait_for(f"M3Deployment {name} to be Ready", ready, timeout_s, detail=status)
 
 
 class OperatorProcess:

@@ -9,9 +9,9 @@ import time
 from m3d_testkit import m3deployment, wait_for
 
 COUNT = 50
-# Measured on the 2-core development machine with the whole control plane on it (see the report);
-# the bound leaves room for a busy CI machine, not for an operator that serializes on something slow.
-BOUND_S = 240.0
+# Measured 76-150 s on the 2-core development machine (control plane, operator and other tests on it,
+# load 10-12); the bound leaves room for a busier machine, not for an operator that stalls.
+BOUND_S = 600.0
 
 logger = logging.getLogger(__name__)
 

@@ -35,13 +35,21 @@ def kube(k8s_cluster, chart, tmp_path_factory, request) -> Iterator[Kube]:
     k8s_cluster.kubectl("create", "namespace", namespace)
     log = tmp_path_factory.mktemp("operator") / "operator.log"
     process = OperatorProcess(k8s_cluster, chart.service_account_kubeconfig, namespace, log)
-    failures_before = request.session.testsfailed
     process.start(drift_interval_s=5)
+    request.module.OPERATOR = process
     yield Kube(k8s_cluster, namespace)
     process.stop()
-    if request.session.testsfailed > failures_before:
-        sys.stderr.write(f"\n--- operator log ---\n{process.log_tail()}\n")
     k8s_cluster.kubectl("delete", "namespace", namespace, "--wait=false")
+
+
+@pytest.fixture(autouse=True)
+def operator_log_on_failure(request) -> Iterator[None]:
+    """The shared operator's recent log, shown with a test that failed."""
+    yield
+    report = getattr(request.node, "rep_call", None)
+    process = getattr(request.module, "OPERATOR", None)
+    if report is not None and report.failed and process is not None:
+        sys.stderr.write(f"\n--- operator log ---\n{process.log_tail()}\n")
 
 
 def test_the_chart_renders_what_the_api_server_accepts(k8s_cluster, chart):
@@ -173,13 +181,12 @@ def test_deleted_and_edited_children_come_back(kube):
         ]
         return now.keys() == before.keys() and len(replaced) == 3
 
-    wait_for("the deleted children to be recreated", recreated, timeout_s=30)
+    wait_for("the deleted children to be recreated", recreated)
     # Someone scales the engine Deployment by hand: the drift loop takes the field back.
     kube("scale", "deployment", "healing-engine", "--replicas=4")
     wait_for(
         "the drift loop to restore the engine replicas",
         lambda: (deployment(kube, "healing-engine") or {}).get("spec", {}).get("replicas") == 1,
-        timeout_s=30,
     )
     kube.wait_ready("healing")
 
@@ -232,11 +239,10 @@ def test_deleting_the_resource_removes_everything(kube):
     kube.wait_ready("doomed")
     assert {c["kind"] for c in kube.children("doomed")} >= {"HorizontalPodAutoscaler", "Ingress"}
     kube("delete", "m3d", "doomed", "--wait=true", "--timeout=30s")
-    wait_for("children to be garbage-collected", lambda: not kube.children("doomed"), timeout_s=60)
+    wait_for("children to be garbage-collected", lambda: not kube.children("doomed"))
     wait_for(
         "pods to be gone",
         lambda: not kube.json("get", "pods", "-l", "m3stack.io/deployment=doomed")["items"],
-        timeout_s=60,
     )
     assert not kube.json("get", "replicasets", "-l", "m3stack.io/deployment=doomed")["items"]
 
