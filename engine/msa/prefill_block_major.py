@@ -79,7 +79,9 @@ def _gather_rows(
     return row_position, q
 
 
-@triton.jit
+# Per-chunk offsets are not specialised: one compiled kernel serves every chunk (Triton would otherwise
+# compile a variant for each divisibility of the offsets it sees, seconds each on the first chunks).
+@triton.jit(do_not_specialize=["first_item", "token_offset"])
 def _block_major_kernel(
     q_ptr, k_ptr, v_ptr, positions_ptr, items_ptr, entries_ptr, part_o_ptr, part_lse_ptr,
     first_item, token_offset, scale_log2,
@@ -140,7 +142,7 @@ def _block_major_kernel(
         row_entry = next_entry
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["token_offset"])
 def _merge_kernel(
     part_o_ptr, part_lse_ptr, sel_ptr, positions_ptr, out_ptr, token_offset, stride_sh, stride_st, stride_ot, stride_oh,
     HKV: tl.constexpr, G: tl.constexpr, HQP: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, B: tl.constexpr,
