@@ -13,11 +13,12 @@ Traffic per (token, KV head, selected block): q rows read (G x D), partial writt
 (G x D each), so ~3 x G x D x itemsize bytes against 4 x G x B x D FLOPs: the partials, not the
 MMAs, bound this kernel pair (design/msa.md).  Tokens run in chunks so the partials stay bounded.
 
-Latency, not bandwidth, is what a tile waits on: each q row is a gather through the CSR entries.
-The entries of the next tile are loaded one tile ahead, so the q gather's addresses come from the
-previous iteration and the software pipeliner can issue it ``num_stages - 1`` tiles early (were the
-entries loaded in the same iteration, the gather would be a second indirection level and only
-ever be issued right before its wait).
+Latency is what a tile would wait on: its q rows are a gather through the CSR entries.  The
+entries are loaded one tile ahead.  By default (``PREFETCH``) the next tile's q rows and positions
+are then gathered into registers before this tile's MMAs and land while it computes; otherwise the
+gather's addresses come from the previous iteration, so Triton's software pipeliner can stage it in
+shared memory ``num_stages - 1`` tiles early (with the entries loaded in the same iteration the
+gather is a second indirection level, which Triton 3.6 issues only right before its wait).
 """
 
 from dataclasses import dataclass
