@@ -1,0 +1,323 @@
+"""``DeviceOffload``: the device side of CPU KV offload, called by the runner and the attention backends.
+
+Per step (``before_step``, from the runner, before the forward is launched):
+
+1. the spills the tiered manager decided run first, on the compute stream: MSA K/V of every layer to
+   pinned host memory (``page_copy``), index keys and dense-layer K/V to the block's host id on the
+   device.  Everything later in the stream (this step's writes into the freed pages) sees them done;
+2. new hot buffers are initialized, the clock advances, the miss queues empty;
+3. each request of the step gets its hot-buffer handle in a fixed device buffer (-1: no host block),
+   which CUDA graphs captured once read on every replay.
+
+Per MSA layer, in the GPU backend: decode steps call ``resolve_decode`` between the indexer and the
+attention (``resolver`` rewrites the selected host blocks to hot pages on the device, then the misses
+are copied on a side stream that the attention waits for); prefill steps call ``sparse_prefill``,
+which runs the usual kernels on a working set for each request with host blocks
+(``prefill_staging``).  The reference backend calls ``reference_kv`` instead: the same rules in plain
+PyTorch, one request at a time.
+
+A decode step of a request with host blocks must add one token (``needs_prefill_path`` sends other
+steps to the prefill path): that bounds its distinct host blocks per layer by the hot buffer's size.
+"""
+
+import time
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from m3stack.engine.attention.metadata import AttentionMetadata
+from m3stack.engine.msa.decode_plan import SparseDecodePlan
+from m3stack.engine.msa.prefill_attention import sparse_prefill as msa_sparse_prefill
+from m3stack.engine.offload.hot_buffer import STAT_CHURNED, STAT_HITS, STAT_MISSES, STAT_SELECTED, HotStateTensors
+from m3stack.engine.offload.layout import TieredKVCache
+from m3stack.engine.offload.metrics import OffloadStats
+from m3stack.engine.offload.page_copy import copy_pages
+from m3stack.engine.offload.prefill_staging import gather_working_set, request_metadata
+from m3stack.engine.offload.resolver import churn, entries_per_request, resolve_decode_pages, resolve_request
+from m3stack.engine.offload.tiered_manager import Migration, TieredKVCacheManager
+
+# Device counters are copied back at most this often (the server asks for statistics after every step).
+_STATS_PERIOD_S = 0.25
+
+
+@dataclass
+class _Timed:
+    """A copy bracketed by CUDA events, waiting to be read once the GPU has passed it."""
+
+    start: torch.cuda.Event
+    end: torch.cuda.Event
+    decode: bool  # a decode miss copy (its bytes are counted on the device) or a prefill staging copy
+    staged_bytes: int
+
+
+class DeviceOffload:
+    def __init__(
+        self,
+        cache: TieredKVCache,
+        manager: TieredKVCacheManager,
+        *,
+        num_kv_heads: int,
+        topk: int,
+        max_batch: int,
+        max_requests: int,
+        device: torch.device,
+    ) -> None:
+        self.cache = cache
+        self.manager = manager
+        self.device = device
+        # Copies run as Triton kernels on a GPU; on CPU (tests) as indexed assignment, interpreted or not.
+        self.torch_copies = device.type != "cuda"
+        self.num_device = cache.sizes.num_device
+        self.num_kv_heads = num_kv_heads
+        self.topk = topk
+        self.page_bytes = cache.host_sparse[0, :, 0].numel() * cache.host_sparse.element_size()  # K + V, one layer
+        self.state = HotStateTensors.allocate(
+            max_requests=max_requests, num_msa_layers=len(cache.sparse_layer_ids), hot_blocks=manager.hot_blocks,
+            entries=entries_per_request(num_kv_heads, topk), max_batch=max_batch, device=device,
+        )  # fmt: skip
+        self.handles = torch.full((max_batch,), -1, dtype=torch.int32, device=device)
+        self.copy_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        # Host copies of this step's per-request handles and token counts (set by before_step).
+        self._step_handles = np.zeros(0, dtype=np.int32)
+        self._step_query_lens = np.zeros(0, dtype=np.int64)
+        self._handles_dirty = False
+        # Cumulative counters kept on the host.
+        self.spill_bytes = 0
+        self.staged_bytes = 0
+        self.timing = False  # CUDA-event timing of copies (benchmarks); eager steps only
+        self._timed: list[_Timed] = []
+        self._timed_pages = torch.zeros(1, dtype=torch.int64, device=device)  # miss pages of timed copies
+        self._miss_copy_s = 0.0
+        self._staging_s = 0.0
+        self._timed_staged_bytes = 0
+        self._device_stats = torch.zeros((self.state.stats.numel() + 1,), dtype=torch.int64)
+        self._stats_copy: tuple[torch.Tensor, torch.cuda.Event] | None = None
+        self._stats_copied_at = 0.0
+
+    # --- per step -------------------------------------------------------------------------------
+
+    def before_step(self, request_ids: list[str], query_lens: np.ndarray) -> None:
+        """Run pending spills, start new hot buffers, and publish this step's handles (rows in step order)."""
+        pending = self.manager.take_pending()
+        if pending.migrations:
+            self._migrate(pending.migrations)
+        if pending.new_leases:
+            self.state.start_leases(pending.new_leases)
+        self.state.begin_step()
+        handles = np.fromiter((self.manager.handle(r) for r in request_ids), dtype=np.int32, count=len(request_ids))
+        self._step_handles, self._step_query_lens = handles, query_lens
+        if handles.size and (handles >= 0).any():
+            self.handles.fill_(-1)
+            # Pageable source: the driver stages it at once, so this never waits for a step in flight.
+            self.handles[: handles.size].copy_(torch.from_numpy(handles), non_blocking=True)
+            self._handles_dirty = True
+        elif self._handles_dirty:
+            self.handles.fill_(-1)
+            self._handles_dirty = False
+
+    @property
+    def step_has_host_blocks(self) -> bool:
+        return bool((self._step_handles >= 0).any())
+
+    def needs_prefill_path(self) -> bool:
+        """A request with host blocks adds several tokens: its MSA layers must take the prefill path."""
+        return bool(((self._step_handles >= 0) & (self._step_query_lens > 1)).any())
+
+    def _migrate(self, migrations: list[Migration]) -> None:
+        cache = self.cache
+        device_ids = torch.tensor([m.device_id for m in migrations], dtype=torch.int64)
+        host_ids = torch.tensor([m.host_id for m in migrations], dtype=torch.int64)
+        slots = torch.tensor([m.host_slot for m in migrations], dtype=torch.int32)
+        copy_pages(
+            cache.device_sparse.flatten(0, 1), cache.host_sparse.flatten(0, 1),
+            device_ids.to(torch.int32).to(self.device), slots.to(self.device), torch_only=self.torch_copies,
+        )  # fmt: skip
+        device_ids, host_ids = device_ids.to(self.device), host_ids.to(self.device)
+        cache.index_keys[:, host_ids] = cache.index_keys[:, device_ids]
+        if cache.dense_kv is not None:
+            cache.dense_kv[:, :, host_ids] = cache.dense_kv[:, :, device_ids]
+        self.spill_bytes += len(migrations) * len(cache.sparse_layer_ids) * self.page_bytes
+
+    # --- decode (GPU backend) -------------------------------------------------------------------
+
+    def resolve_decode(self, layer: int, plan: SparseDecodePlan, metadata: AttentionMetadata) -> None:
+        """Point the decode plan's host blocks at hot pages and copy the misses in (side stream)."""
+        # On a GPU the kernels always run (they return at once for requests without host blocks), so CUDA
+        # graphs capture them and the warm-up before capture compiles them.
+        if self.device.type != "cuda" and not self.step_has_host_blocks:
+            return
+        capturing = self.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+        msa = self.cache.msa_slot(layer)
+        resolve_decode_pages(plan.page_ids, plan.row_indptr, metadata.query_start_loc,
+                             self.handles[: metadata.num_requests], self.state, msa, self.num_device,
+                             self.num_kv_heads, self.topk)  # fmt: skip
+        self._copy_misses(msa, timed=self.timing and not capturing)
+
+    def _copy_misses(self, msa: int, timed: bool) -> None:
+        state = self.state
+        args = (self.cache.host_sparse[msa], self.cache.device_sparse[msa], state.miss_src[msa], state.miss_dst[msa],
+                state.miss_count[msa : msa + 1])  # fmt: skip
+        if self.copy_stream is None:
+            copy_pages(*args, torch_only=self.torch_copies)
+            return
+        main = torch.cuda.current_stream(self.device)
+        self.copy_stream.wait_stream(main)
+        with torch.cuda.stream(self.copy_stream):
+            events = self._start_timing() if timed else None
+            copy_pages(*args)
+            if events is not None:
+                self._timed_pages += state.miss_count[msa]
+                self._finish_timing(events, decode=True, staged_bytes=0)
+        main.wait_stream(self.copy_stream)
+
+    # --- prefill (GPU backend) ------------------------------------------------------------------
+
+    def sparse_prefill(
+        self, layer: int, q: torch.Tensor, selection: torch.Tensor, metadata: AttentionMetadata, scale: float
+    ) -> torch.Tensor:
+        """``msa.prefill_attention.sparse_prefill`` for a step whose requests may have host blocks."""
+        cache = self.cache.layers[layer]
+        offloaded = np.flatnonzero(self._step_handles >= 0)
+        if not offloaded.size:
+            return msa_sparse_prefill(q, cache.key, cache.value, selection, metadata, scale)
+        starts = metadata.query_start_loc_cpu.tolist()
+        masked = selection.clone()
+        for request in offloaded:  # their rows are computed on working sets below
+            masked[:, starts[request] : starts[request + 1]] = -1
+        out = msa_sparse_prefill(q, cache.key, cache.value, masked, metadata, scale)
+        msa = self.cache.msa_slot(layer)
+        for request in offloaded:
+            rows = slice(starts[request], starts[request + 1])
+            working = self._working_set(msa, selection[:, rows], metadata.page_table[request])
+            sub = request_metadata(metadata, int(request), working.page_table)
+            out[rows] = msa_sparse_prefill(q[rows], working.key, working.value, selection[:, rows], sub, scale)
+        return out
+
+    def _working_set(self, msa: int, selection: torch.Tensor, page_row: torch.Tensor):
+        events = self._start_timing() if self.timing and self.device.type == "cuda" else None
+        working = gather_working_set(selection, page_row, self.num_device, self.cache.device_sparse[msa],
+                                     self.cache.host_sparse[msa], torch_only=self.torch_copies)  # fmt: skip
+        staged = working.host_pages * self.page_bytes
+        self.staged_bytes += staged
+        if events is not None:
+            self._finish_timing(events, decode=False, staged_bytes=staged)
+        return working
+
+    # --- the reference backend ------------------------------------------------------------------
+
+    def has_host_blocks(self, row: int) -> bool:
+        return row < self._step_handles.size and self._step_handles[row] >= 0
+
+    def reference_kv(
+        self, layer: int, row: int, pages: torch.Tensor, seq_len: int, selected: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values ``[seq_len, Hkv, D]`` of request ``row`` for the blocks ``selected`` (``[Hkv, T, K]``)
+        names; other host blocks read as zeros.  One token: through the hot buffer; more: straight from host."""
+        msa = self.cache.msa_slot(layer)
+        device_kv = self.cache.device_sparse[msa]  # [2, num_device, Hkv, B, D]
+        on_device = pages < self.num_device
+        gathered = torch.zeros((2, pages.numel(), *device_kv.shape[2:]), dtype=device_kv.dtype, device=pages.device)
+        gathered[:, on_device] = device_kv[:, pages[on_device]]
+        if selected.shape[1] == 1:
+            self._reference_decode(msa, row, pages, selected, gathered)
+        else:
+            blocks = torch.unique(selected[selected >= 0])
+            blocks = blocks[pages[blocks] >= self.num_device]
+            gathered[:, blocks] = self.cache.host_sparse[msa][:, pages[blocks] - self.num_device].to(pages.device)
+            self.staged_bytes += blocks.numel() * self.page_bytes
+        keys, values = (part.transpose(1, 2).flatten(0, 1)[:seq_len] for part in gathered)
+        return keys, values
+
+    def _reference_decode(self, msa: int, row: int, pages: torch.Tensor, selected: torch.Tensor,
+                          gathered: torch.Tensor) -> None:  # fmt: skip
+        state, handle = self.state, int(self._step_handles[row])
+        flat = selected[:, 0].flatten()  # (head, rank) order, as the kernel reads its rows
+        entries = torch.where(flat >= 0, pages[flat.clamp(min=0)], -1).tolist()
+        slot_block, slot_stamp = state.slot_block[handle, msa].tolist(), state.slot_stamp[handle, msa].tolist()
+        resolution = resolve_request(entries, slot_block, slot_stamp, int(state.clock), self.num_device)
+        state.slot_block[handle, msa] = torch.tensor(slot_block, dtype=torch.int32)
+        state.slot_stamp[handle, msa] = torch.tensor(slot_stamp, dtype=torch.int32)
+        hot_pages = state.slot_page[handle]
+        if resolution.copies:
+            sources = torch.tensor([page - self.num_device for _, page in resolution.copies], dtype=torch.int32)
+            targets = hot_pages[[slot for slot, _ in resolution.copies]]
+            copy_pages(self.cache.host_sparse[msa], self.cache.device_sparse[msa], sources, targets, torch_only=True)
+        device_kv = self.cache.device_sparse[msa]
+        for block, slot in zip(flat.tolist(), resolution.slots, strict=True):
+            if slot >= 0:
+                gathered[:, block] = device_kv[:, int(hot_pages[slot])]
+        previous = state.previous[handle, msa]
+        selected_count, churned = churn(entries, previous.tolist())
+        distinct = list(dict.fromkeys(p for p in entries if p >= 0))
+        previous.fill_(-1)
+        previous[: len(distinct)] = torch.tensor(distinct, dtype=torch.int32)
+        stats = state.stats[msa]
+        stats[STAT_HITS] += resolution.hits
+        stats[STAT_MISSES] += len(resolution.copies)
+        stats[STAT_SELECTED] += selected_count
+        stats[STAT_CHURNED] += churned
+
+    # --- timing and statistics ------------------------------------------------------------------
+
+    def _start_timing(self) -> tuple[torch.cuda.Event, torch.cuda.Event]:
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        return start, end
+
+    def _finish_timing(self, events: tuple[torch.cuda.Event, torch.cuda.Event], decode: bool,
+                       staged_bytes: int) -> None:  # fmt: skip
+        events[1].record()
+        self._timed.append(_Timed(events[0], events[1], decode, staged_bytes))
+
+    def _collect_timings(self) -> None:
+        done = [timed for timed in self._timed if timed.end.query()]
+        self._timed = [timed for timed in self._timed if timed not in done]
+        for timed in done:
+            seconds = timed.start.elapsed_time(timed.end) / 1e3
+            if timed.decode:
+                self._miss_copy_s += seconds
+            else:
+                self._staging_s += seconds
+                self._timed_staged_bytes += timed.staged_bytes
+
+    def _read_device_stats(self) -> np.ndarray:
+        """The resolver's counters and the timed miss pages, as of the last copy the GPU finished."""
+        if self.device.type != "cuda":
+            return torch.cat([self.state.stats.flatten(), self._timed_pages]).numpy()
+        if self._stats_copy is not None and self._stats_copy[1].query():
+            self._device_stats = self._stats_copy[0].clone()
+            self._stats_copy = None
+        if self._stats_copy is None and time.monotonic() - self._stats_copied_at >= _STATS_PERIOD_S:
+            self._stats_copied_at = time.monotonic()
+            flat = torch.cat([self.state.stats.flatten(), self._timed_pages])
+            target = torch.empty(flat.shape, dtype=flat.dtype, pin_memory=True)
+            target.copy_(flat, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record()
+            self._stats_copy = (target, event)
+        return self._device_stats.numpy()
+
+    def stats(self) -> OffloadStats:
+        if self.device.type == "cuda":
+            self._collect_timings()
+        values = self._read_device_stats()
+        per_layer = values[:-1].reshape(self.state.stats.shape).sum(axis=0)
+        host = self.manager.host
+        return OffloadStats(
+            host_blocks=host.num_blocks,
+            host_blocks_used=host.num_blocks - host.num_free_blocks,
+            hot_buffers=self.manager.num_hot_buffers,
+            spilled_blocks=self.manager.num_spilled_blocks,
+            spill_bytes=self.spill_bytes,
+            hot_hits=int(per_layer[STAT_HITS]),
+            hot_misses=int(per_layer[STAT_MISSES]),
+            miss_bytes=int(per_layer[STAT_MISSES]) * self.page_bytes,
+            staged_bytes=self.staged_bytes,
+            selected_blocks=int(per_layer[STAT_SELECTED]),
+            churned_blocks=int(per_layer[STAT_CHURNED]),
+            miss_copy_seconds=self._miss_copy_s,
+            timed_miss_bytes=int(values[-1]) * self.page_bytes,
+            staging_seconds=self._staging_s,
+            timed_staged_bytes=self._timed_staged_bytes,
+        )

@@ -1,0 +1,92 @@
+"""Copy whole KV pages between tensors laid out ``[planes, pages, *page]``: device to device, or to and from
+pinned host memory, which the kernel reads and writes directly through unified addressing (no staging).
+
+``dst[p, dst_index[i]] = src[p, src_index[i]]`` for every plane ``p`` and pair ``i < count``.  Planes are
+e.g. (MSA layer, K/V) pairs, so one launch moves a block of every layer.  ``count`` may live on the
+device (the decode resolver appends misses there): the kernel is a fixed grid of persistent programs
+that loop over (pair, plane, chunk) work items, so its launch never needs the count on the host and a
+CUDA graph can capture it.  A copy kernel instead of ``cudaMemcpyAsync`` per page: pages are 32-256 KiB,
+where DMA is slow to start, and the pair list is only known on the device.
+"""
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from m3stack.engine.msa.launch import multiprocessors, triton_interpreted
+
+# Elements one work item moves (a power of two; 8 KiB of bf16): many items keep PCIe reads in flight.
+_CHUNK = 4096
+_PROGRAMS_PER_SM = 4
+
+
+@triton.jit
+def _copy_pages_kernel(
+    src_ptr, dst_ptr, src_index_ptr, dst_index_ptr, count_ptr, src_plane_stride, dst_plane_stride,
+    PLANES: tl.constexpr, PAGE: tl.constexpr, CHUNK: tl.constexpr,
+):  # fmt: skip
+    chunks: tl.constexpr = PAGE // CHUNK
+    per_pair: tl.constexpr = PLANES * chunks
+    total = tl.load(count_ptr) * per_pair
+    offsets = tl.arange(0, CHUNK)
+    wide = tl.program_id(0).to(tl.int64) * 0  # int64 zero: every address below is computed in 64 bits
+    for item in range(tl.program_id(0), total, tl.num_programs(0)):
+        pair = item // per_pair
+        plane = wide + (item % per_pair) // chunks
+        chunk = wide + item % chunks
+        src_page = tl.load(src_index_ptr + pair).to(tl.int64)
+        dst_page = tl.load(dst_index_ptr + pair).to(tl.int64)
+        values = tl.load(src_ptr + plane * src_plane_stride + src_page * PAGE + chunk * CHUNK + offsets)
+        tl.store(dst_ptr + plane * dst_plane_stride + dst_page * PAGE + chunk * CHUNK + offsets, values)
+
+
+def _page_elements(tensor: torch.Tensor) -> int:
+    return math.prod(tensor.shape[2:])
+
+
+def check_page_tensors(src: torch.Tensor, dst: torch.Tensor) -> None:
+    if src.dim() < 3 or src.shape[0] != dst.shape[0] or src.shape[2:] != dst.shape[2:]:
+        raise ValueError(f"src {tuple(src.shape)} and dst {tuple(dst.shape)} must be [planes, pages, *page] alike")
+    if src.dtype != dst.dtype:
+        raise ValueError(f"src is {src.dtype}, dst is {dst.dtype}")
+    page = _page_elements(src)
+    for name, tensor in (("src", src), ("dst", dst)):
+        if not tensor[0].is_contiguous() or tensor.stride(1) != page:
+            raise ValueError(f"{name} needs contiguous pages within each plane")
+
+
+def copy_pages(
+    src: torch.Tensor,
+    dst: torch.Tensor,
+    src_index: torch.Tensor,
+    dst_index: torch.Tensor,
+    count: torch.Tensor | None = None,
+    *,
+    torch_only: bool = False,
+) -> None:
+    """Copy pages ``src[:, src_index[i]] -> dst[:, dst_index[i]]`` for ``i < count`` (a 1-element int tensor on
+    the device; all pairs when None).  Index tensors live where the kernel runs (the device of the CUDA side).
+
+    Destination pages must be distinct among the copied pairs.  On CUDA (or CPU under ``TRITON_INTERPRET=1``
+    unless ``torch_only``) a Triton kernel runs; otherwise indexed assignment.
+    """
+    check_page_tensors(src, dst)
+    device = dst.device if dst.is_cuda else src.device
+    if count is None:
+        count = torch.tensor([src_index.numel()], dtype=torch.int32, device=device)
+    if src_index.numel() == 0:
+        return
+    if (device.type == "cuda" or triton_interpreted()) and not torch_only:
+        page = _page_elements(src)
+        chunk = math.gcd(page, _CHUNK)
+        programs = _PROGRAMS_PER_SM * multiprocessors(device)
+        _copy_pages_kernel[(programs,)](
+            src, dst, src_index, dst_index, count, src.stride(0), dst.stride(0),
+            PLANES=src.shape[0], PAGE=page, CHUNK=chunk, num_warps=4,
+        )  # fmt: skip
+        return
+    n = int(count.reshape(-1)[0])
+    source = src[:, src_index[:n].long().to(src.device)]
+    dst[:, dst_index[:n].long().to(dst.device)] = source.to(dst.device)
