@@ -7,17 +7,15 @@ small KV cache, so the whole folder stays fast on two cores.
 
 import os
 import signal
-import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-import httpx
 import openai
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
 from m3stack.local.processes import ChildProcess, ProcessGroup, free_port
+from tests.helpers.serving import Samples, poll_until, scrape
 
 LOOPBACK = "127.0.0.1"
 ENGINE_CONTEXT = 256
@@ -31,7 +29,7 @@ class Engine:
     address: str
     metrics_url: str
 
-    def metrics(self) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    def metrics(self) -> Samples:
         return scrape(self.metrics_url)
 
     def kill(self) -> None:
@@ -47,28 +45,8 @@ class Gateway:
     def client(self, api_key: str = "none", timeout_s: float = 120.0) -> openai.OpenAI:
         return openai.OpenAI(base_url=f"{self.base_url}/v1", api_key=api_key, max_retries=0, timeout=timeout_s)
 
-    def metrics(self) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    def metrics(self) -> Samples:
         return scrape(f"{self.base_url}/metrics")
-
-
-def scrape(url: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
-    """Prometheus text -> {(sample name, sorted labels): value}."""
-    text = httpx.get(url, timeout=10).text
-    samples = {}
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            samples[(sample.name, tuple(sorted(sample.labels.items())))] = sample.value
-    return samples
-
-
-def poll_until(condition, timeout_s: float, what: str, interval_s: float = 0.1):
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        value = condition()
-        if value:
-            return value
-        time.sleep(interval_s)
-    raise AssertionError(f"timed out after {timeout_s}s waiting for {what}")
 
 
 class Stack:

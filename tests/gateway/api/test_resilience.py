@@ -1,10 +1,9 @@
 """Two engines behind one gateway: traffic spreads, and when one is killed its streams end with an
 error event (no hang), the others finish, and new requests move to the survivor."""
 
-import threading
-
-import openai
 import pytest
+
+from tests.helpers.serving import StreamRunner
 
 pytestmark = pytest.mark.xdist_group("gateway_api")
 
@@ -45,37 +44,10 @@ def inflight(gateway, engine) -> float:
     return gateway.metrics().get(("m3stack_gateway_engine_inflight_requests", (("engine", engine.address),)), 0.0)
 
 
-class StreamRunner(threading.Thread):
-    """One streamed completion in a thread: how it ended and what it received."""
-
-    def __init__(self, client: openai.OpenAI, model: str, max_tokens: int) -> None:
-        super().__init__(daemon=True)
-        self._client, self._model, self._max_tokens = client, model, max_tokens
-        self.error: Exception | None = None
-        self.finish_reason: str | None = None
-        self.chunks = 0
-
-    def run(self) -> None:
-        try:
-            stream = self._client.completions.create(
-                model=self._model,
-                prompt=PROMPT,
-                max_tokens=self._max_tokens,
-                stream=True,
-                extra_body={"ignore_eos": True},
-            )
-            for chunk in stream:
-                self.chunks += 1
-                if chunk.choices and chunk.choices[0].finish_reason:
-                    self.finish_reason = chunk.choices[0].finish_reason
-        except openai.APIError as exc:
-            self.error = exc
-
-
 def test_traffic_spreads_then_survives_a_killed_engine(pair, model_name, wait_until):
     first, second, gateway = pair
     client = gateway.client(timeout_s=120)
-    runners = [StreamRunner(client, model_name, max_tokens=200) for _ in range(8)]
+    runners = [StreamRunner(client, model_name, PROMPT, max_tokens=200) for _ in range(8)]
     for runner in runners:
         runner.start()
     wait_until(lambda: inflight(gateway, first) >= 1 and inflight(gateway, second) >= 1, 60, "streams on both engines")

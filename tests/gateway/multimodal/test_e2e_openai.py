@@ -8,12 +8,11 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import openai
 import pytest
-import torch
 from PIL import Image
-from transformers import AutoProcessor, MiniMaxM3SparseForConditionalGeneration
+from transformers import AutoProcessor
 
 from m3stack.local.processes import ProcessGroup, free_port
-from tests.engine.model.hf_oracle import hf_greedy
+from tests.helpers.hf_chat import hf_chat_greedy, load_hf_model
 
 from .conftest import reference_decode_video
 from .media_factory import encode_image, encode_video, natural_rgb
@@ -79,28 +78,10 @@ def _data_url(data: bytes, mime: str) -> str:
 
 
 def _transformers_tokens(tiny_model_dir, media) -> list[int]:
-    from transformers.video_utils import VideoMetadata
-
-    processor = AutoProcessor.from_pretrained(tiny_model_dir)
     content = [{"type": "image"}, {"type": "image"}, {"type": "video"}, {"type": "text", "text": QUESTION}]
-    text = processor.apply_chat_template(
-        [{"role": "user", "content": content}], add_generation_prompt=True, tokenize=False
-    )
     images = [Image.open(io.BytesIO(media[kind])).convert("RGB") for kind in ("png", "jpeg")]
-    video = reference_decode_video(media["mp4"])
-    inputs = processor(
-        text=[text],
-        images=images,
-        videos=[video.frames],
-        video_metadata=[VideoMetadata(total_num_frames=video.total_num_frames, fps=video.fps)],
-        videos_kwargs={"do_resize": True, "do_sample_frames": True},
-        return_tensors="pt",
-    )
-    model = MiniMaxM3SparseForConditionalGeneration.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
-    multimodal = {
-        key: inputs[key] for key in ("pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw")
-    }
-    _, tokens = hf_greedy(model, inputs["input_ids"][0], NUM_TOKENS, **multimodal)
+    processor, model = AutoProcessor.from_pretrained(tiny_model_dir), load_hf_model(tiny_model_dir)
+    tokens, _ = hf_chat_greedy(processor, model, content, NUM_TOKENS, images, [reference_decode_video(media["mp4"])])
     return tokens
 
 
