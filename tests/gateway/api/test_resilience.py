@@ -13,9 +13,11 @@ PROMPT = "Tell me a long story about engines and gateways."
 @pytest.fixture(scope="module")
 def pair(stack, engine):
     first, second = stack.engine(), engine  # the first is killed; the session's engine survives
-    # Slow health probes: the gateway learns about the killed engine from the failing calls themselves.
+    # No health probes after the start: the gateway learns about the killed engine from failing calls,
+    # and its breaker opens after 8 of them (more than the streams killed with it, so that new requests
+    # still try it and get retried elsewhere first).
     gateway = stack.gateway(
-        [first, second], "--media-workers", "0", "--health-interval", "30", "--breaker-failures", "2"
+        [first, second], "--media-workers", "0", "--health-interval", "600", "--breaker-failures", "8"
     )
     return first, second, gateway
 
@@ -64,13 +66,19 @@ def test_traffic_spreads_then_survives_a_killed_engine(pair, model_name, wait_un
     assert all("failed" in str(r.error) or "lost" in str(r.error) for r in failed), [str(r.error) for r in failed]
     assert finished and all(r.finish_reason == "length" for r in finished)
 
-    # New requests land on the survivor: the first tries on the dead engine are retried before any token.
-    for _ in range(6):
+    # New requests land on the survivor: those that try the dead engine first are retried before any
+    # token, until its breaker opens and it is skipped.
+    def breaker_state() -> float:
+        return gateway.metrics()[("m3stack_gateway_engine_breaker_state", (("engine", first.address),))]
+
+    for _ in range(20):
         response = client.completions.create(
             model=model_name, prompt="Hi", max_tokens=3, extra_body={"ignore_eos": True}
         )
         assert response.usage.completion_tokens == 3
+        if breaker_state() == 2:
+            break
     metrics = gateway.metrics()
+    assert breaker_state() == 2, "the breaker of the dead engine is open"
     assert metrics[("m3stack_gateway_engine_retries_total", ())] >= 1
-    assert metrics[("m3stack_gateway_engine_breaker_state", (("engine", first.address),))] == 2
     assert metrics[("m3stack_gateway_engine_inflight_requests", (("engine", first.address),))] == 0
