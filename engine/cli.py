@@ -50,6 +50,20 @@ def add_arguments(opts: OptionGroup) -> None:
         help="KV cache size in GiB (default: --gpu-memory-utilization on cuda, 1 GiB on cpu)",
     )
     opts.add(
+        "--kv-offload-gb",
+        type=options.non_negative_float,
+        default=0.0,
+        help="pinned host memory for KV blocks moved off the GPU under pressure (0: off); MSA layers' K/V go there, "
+        "the k-index and dense layers stay on the GPU, decode steps copy the selected blocks back on demand",
+    )
+    opts.add(
+        "--kv-offload-hot-blocks",
+        type=options.positive_int,
+        default=None,
+        help="GPU pages per request with offloaded blocks that cache them between decode steps "
+        "(default: what one decode token can select, index heads x ranked blocks)",
+    )
+    opts.add(
         "--gpu-memory-utilization",
         type=options.fraction,
         default=0.9,
@@ -162,6 +176,8 @@ def run(args: argparse.Namespace) -> int:
             async_scheduling=False if args.disable_async_scheduling else None,
             cpu_threads=args.cpu_threads,
             attention=args.attention,
+            kv_offload_gb=args.kv_offload_gb,
+            kv_offload_hot_blocks=args.kv_offload_hot_blocks,
             seed=args.seed,
             parallel=parallel,
         ),

@@ -7,9 +7,14 @@ request, gathers the request's pages back into contiguous ``[S, ...]`` tensors a
 the "reference gather + query-major" path the optimized kernels are measured against.  Query rows go through in
 slices sized so that one slice's score matrix (query heads x rows x context, float32) stays under
 ``SCORE_BUDGET_BYTES``, which keeps long prompts within memory on a GPU.
+
+With CPU KV offload (``offload``, an ``engine.offload.device.DeviceOffload``), an MSA layer reads the keys and
+values of a request with host blocks through ``offload.reference_kv``: decode tokens through the hot buffer,
+longer slices straight from host memory.
 """
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -17,6 +22,9 @@ from m3stack.engine.attention.metadata import AttentionMetadata
 from m3stack.engine.kv_cache.tensors import LayerKVCache
 from m3stack.engine.msa.reference import dense_causal_attention, index_block_topk, sparse_attention
 from m3stack.engine.msa.store import store_kv
+
+if TYPE_CHECKING:
+    from m3stack.engine.offload.device import DeviceOffload
 
 SCORE_BUDGET_BYTES = 1 << 30
 
@@ -38,10 +46,18 @@ class ReferenceAttentionBackend:
     ``index_local_blocks``); the block size is the cache's page size.
     """
 
-    def __init__(self, kv_caches: list[LayerKVCache], *, topk_blocks: int, local_blocks: int) -> None:
+    def __init__(
+        self,
+        kv_caches: list[LayerKVCache],
+        *,
+        topk_blocks: int,
+        local_blocks: int,
+        offload: "DeviceOffload | None" = None,
+    ) -> None:
         self.kv_caches = kv_caches
         self.topk_blocks = topk_blocks
         self.local_blocks = local_blocks
+        self.offload = offload
         self._metadata: AttentionMetadata | None = None
         self._requests: list[_RequestView] = []
 
@@ -86,14 +102,17 @@ class ReferenceAttentionBackend:
         block_size = cache.key.shape[2]
         out = torch.empty_like(q)
         scale = q.shape[-1] ** -0.5
-        for request in self._requests:
-            keys, values = self._gather_kv(cache, request)
+        for row, request in enumerate(self._requests):
+            offloaded = self.offload is not None and self.offload.has_host_blocks(row)
+            keys, values = (None, None) if offloaded else self._gather_kv(cache, request)
             index_keys = cache.index_key[request.pages].flatten(0, 1)[: request.seq_len]
             for rows, local in _row_slices(request, q.shape[1]):
                 positions = request.q_positions[local]
                 selected = index_block_topk(
                     index_q[rows], index_keys, positions, block_size, self.topk_blocks, self.local_blocks
                 )
+                if offloaded:
+                    keys, values = self.offload.reference_kv(layer, row, request.pages, request.seq_len, selected)
                 attended = sparse_attention(q[rows], keys, values, positions, selected, block_size, scale)
                 out[rows] = attended.to(q.dtype)
         return out

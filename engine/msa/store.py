@@ -67,8 +67,9 @@ def _check(cache: LayerKVCache, slot_mapping: torch.Tensor, k: torch.Tensor, v: 
             raise ValueError(
                 f"index_k has shape {tuple(index_k.shape)}, expected ({num_tokens}, {index_dim}) contiguous"
             )
-        if cache.index_key.shape[:2] != (num_pages, block_size):
-            raise ValueError(f"index-key cache {tuple(cache.index_key.shape)} does not match the KV pages")
+        # With CPU offload the index keys also cover host blocks (engine.offload.layout): more pages, never fewer.
+        if cache.index_key.shape[0] < num_pages or cache.index_key.shape[1] != block_size:
+            raise ValueError(f"index-key cache {tuple(cache.index_key.shape)} does not cover the KV pages")
     if cache.value.stride() != cache.key.stride():
         raise ValueError("key and value caches must share strides")
     if cache.key.stride(-1) != 1 or (cache.index_key is not None and cache.index_key.stride(-1) != 1):

@@ -21,6 +21,9 @@ from m3stack.engine.model.config import M3Config
 from m3stack.engine.model.loader import load_model
 from m3stack.engine.model.model import M3ForServing
 from m3stack.engine.msa.launch import triton_interpreted
+from m3stack.engine.offload.assembly import OffloadSettings, build_offload, offload_tier_sizes
+from m3stack.engine.offload.device import DeviceOffload
+from m3stack.engine.offload.layout import TierSizes
 from m3stack.engine.runtime.config import EngineConfig, ModelInfo, model_folder
 from m3stack.engine.runtime.cuda_graphs import DecodeGraphs
 from m3stack.engine.runtime.encoder_cache import EncoderCache
@@ -53,7 +56,12 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
 
 
 def make_attention_backend(
-    kv_caches: list[LayerKVCache], config: M3Config, device: torch.device, *, mode: str = "auto"
+    kv_caches: list[LayerKVCache],
+    config: M3Config,
+    device: torch.device,
+    *,
+    mode: str = "auto",
+    offload: DeviceOffload | None = None,
 ) -> AttentionBackend:
     """The one place that picks the attention implementation (``--attention``, see ``ATTENTION_MODES``).
 
@@ -65,7 +73,7 @@ def make_attention_backend(
     if mode not in ATTENTION_MODES:
         raise ValueError(f"unknown attention mode {mode!r}; choose from {', '.join(ATTENTION_MODES)}")
     text = config.text
-    selection = {"topk_blocks": text.index_topk_blocks, "local_blocks": text.index_local_blocks}
+    selection = {"topk_blocks": text.index_topk_blocks, "local_blocks": text.index_local_blocks, "offload": offload}
     kernels = device.type == "cuda" if mode in ("auto", "dense") else mode == "msa"
     if mode == "msa" and not (device.type == "cuda" or triton_interpreted()):
         raise ValueError("--attention msa runs the Triton/FlashInfer kernels: it needs --device cuda")
@@ -121,6 +129,11 @@ def assemble_engine_core(
     num_blocks = _num_kv_blocks(config, parts.spec, device, parts)
     block_size = parts.spec.block_size
     capacity = (num_blocks - 1) * block_size
+    tiers = None
+    if config.kv_offload_gb:
+        tiers = offload_tier_sizes(parts.offload_settings, parts.spec, num_blocks)
+        num_blocks = tiers.num_device
+        capacity = (tiers.num_device - 1 + tiers.num_host) * block_size
     limit = m3.text.max_position_embeddings
     max_model_len = config.max_model_len or min(limit, capacity)
     if max_model_len > limit:
@@ -131,7 +144,7 @@ def assemble_engine_core(
             f"({num_blocks - 1} blocks of {block_size}); lower it or give the KV cache more memory"
         )
     use_graphs = config.cuda_graphs and device.type == "cuda"
-    core = parts.core(num_blocks, max_model_len, use_graphs)
+    core = parts.core(num_blocks, max_model_len, use_graphs, tiers)
     if use_graphs:
         core.runner.decode_graphs.capture()
     logger.info(
@@ -161,11 +174,27 @@ class _Parts:
         self.spec = model.kv_cache_spec(dtype)
         if config.attention == "dense":
             self.spec = dense_kv_spec(self.spec)
+        self.offload_settings = OffloadSettings(
+            config.kv_offload_gb, config.kv_offload_hot_blocks, exact_device_blocks=config.num_kv_blocks is not None
+        )
 
-    def core(self, num_blocks: int, max_model_len: int, cuda_graphs: bool) -> EngineCore:
+    def core(
+        self, num_blocks: int, max_model_len: int, cuda_graphs: bool, tiers: TierSizes | None = None
+    ) -> EngineCore:
+        """With ``tiers``, ``num_blocks`` device blocks and CPU KV offload (``engine.offload``)."""
         config, block_size = self.config, self.spec.block_size
-        kv_caches = allocate_kv_cache(self.spec, num_blocks, self.device)
-        backend = make_attention_backend(kv_caches, self.m3, self.device, mode=self.config.attention)
+        offload = None
+        if tiers is not None:
+            offload = build_offload(self.offload_settings, self.spec, self.m3.text, tiers, device=self.device,
+                                    enable_prefix_caching=config.enable_prefix_caching,
+                                    max_num_seqs=config.max_num_seqs)  # fmt: skip
+            kv_caches = offload.device.cache.layers
+            kv_manager = offload.manager
+        else:
+            kv_caches = allocate_kv_cache(self.spec, num_blocks, self.device)
+            kv_manager = KVCacheManager(num_blocks, block_size, config.enable_prefix_caching)
+        device_offload = offload.device if offload is not None else None
+        backend = make_attention_backend(kv_caches, self.m3, self.device, mode=config.attention, offload=device_offload)
         if self.backend_wrapper is not None:
             backend = self.backend_wrapper(backend)
         info = _model_info(config, self.model_path, self.m3, max_model_len, block_size, num_blocks, self.dtype,
@@ -181,7 +210,7 @@ class _Parts:
                 max_waiting=config.max_queue,
                 max_encoder_embeds_per_step=config.max_num_batched_tokens,
             ),
-            KVCacheManager(num_blocks, block_size, config.enable_prefix_caching),
+            kv_manager,
             encoder_cache,
         )
         graphs = None
@@ -190,11 +219,11 @@ class _Parts:
                                   max_batch=config.max_num_seqs, max_model_len=max_model_len)  # fmt: skip
         runner = ModelRunner(self.model, backend, encoder_cache, block_size=block_size,
                              vocab_size=self.m3.text.vocab_size, device=self.device, dtype=self.dtype,
-                             decode_graphs=graphs)  # fmt: skip
+                             decode_graphs=graphs, offload=device_offload)  # fmt: skip
         async_scheduling = config.async_scheduling
         if async_scheduling is None:
             async_scheduling = self.device.type == "cuda"
-        return EngineCore(info, scheduler, runner, async_scheduling=async_scheduling)
+        return EngineCore(info, scheduler, runner, async_scheduling=async_scheduling, offload=device_offload)
 
 
 def _num_kv_blocks(config: EngineConfig, spec: KVCacheSpec, device: torch.device, parts: _Parts) -> int:

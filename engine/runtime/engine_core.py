@@ -13,12 +13,16 @@ other failure ends that step's requests with INTERNAL and is logged with its tra
 import logging
 import time
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
+from m3stack.engine.offload.metrics import OffloadStats
 from m3stack.engine.runtime.config import ModelInfo
 from m3stack.engine.runtime.errors import DuplicateRequestError, EngineError, InvalidRequestError
 from m3stack.engine.runtime.request import Request, RequestOutput, SampledToken
 from m3stack.engine.runtime.scheduler import Scheduler, SchedulerOutput
+
+if TYPE_CHECKING:
+    from m3stack.engine.offload.device import DeviceOffload
 
 logger = logging.getLogger(__name__)
 
@@ -54,6 +58,7 @@ class EngineStats:
     encoder_cache_hits: int
     encoder_cache_misses: int
     num_steps: int
+    offload: OffloadStats | None = None  # CPU KV offload's counters, when it is on
 
     @property
     def prefix_hit_rate(self) -> float:
@@ -76,12 +81,19 @@ class StepReport:
 
 class EngineCore:
     def __init__(
-        self, info: ModelInfo, scheduler: Scheduler, runner: Runner, *, async_scheduling: bool = False
+        self,
+        info: ModelInfo,
+        scheduler: Scheduler,
+        runner: Runner,
+        *,
+        async_scheduling: bool = False,
+        offload: "DeviceOffload | None" = None,
     ) -> None:
         self.info = info
         self.scheduler = scheduler
         self.runner = runner
         self.async_scheduling = async_scheduling
+        self.offload = offload
         self.num_steps = 0
         self._in_flight: tuple[SchedulerOutput, Any] | None = None
 
@@ -172,7 +184,7 @@ class EngineCore:
     def stats(self) -> EngineStats:
         kv = self.scheduler.kv
         encoder = self.scheduler.encoder_cache
-        used_blocks = kv.pool.num_usable_blocks - kv.num_free_blocks
+        used_blocks = kv.pool.num_usable_blocks - kv.pool.num_free_blocks  # device blocks
         return EngineStats(
             num_running=self.scheduler.num_running,
             num_waiting=self.scheduler.num_waiting,
@@ -184,4 +196,5 @@ class EngineCore:
             encoder_cache_hits=encoder.hits,
             encoder_cache_misses=encoder.misses,
             num_steps=self.num_steps,
+            offload=self.offload.stats() if self.offload is not None else None,
         )

@@ -60,6 +60,27 @@ class KVCacheManager:
     def num_held_blocks(self, request_id: str) -> int:
         return len(self._blocks.get(request_id, ()))
 
+    # --- second-tier hooks (engine.offload moves blocks of a page table to host memory) ----------
+
+    def held_blocks(self, request_id: str) -> Sequence[KVBlock]:
+        """The request's page table as blocks (read-only: change it with ``replace_block``)."""
+        return self._blocks.get(request_id, ())
+
+    def num_published_blocks(self, request_id: str) -> int:
+        """Leading blocks of the request already entered into the prefix cache (never touched again by it)."""
+        return self._num_published.get(request_id, 0)
+
+    def replace_block(self, request_id: str, index: int, block: KVBlock) -> KVBlock:
+        """Put ``block`` at ``index`` of the request's page table; the caller takes over the old block's reference."""
+        held = self._blocks[request_id]
+        old, held[index] = held[index], block
+        self._block_ids[request_id][index] = block.block_id
+        return old
+
+    def _release_blocks(self, blocks: Sequence[KVBlock]) -> None:
+        """Give a freed request's blocks back, last first (a second tier releases its own blocks here)."""
+        self.pool.release(reversed(blocks))
+
     def find_cached_prefix(self, request: Request) -> list[KVBlock]:
         """The longest run of cached blocks at the start of the request's tokens.
 
@@ -153,7 +174,7 @@ class KVCacheManager:
         self._block_ids.pop(request.request_id, None)
         self._num_published.pop(request.request_id, None)
         if held:
-            self.pool.release(reversed(held))
+            self._release_blocks(held)
 
     def live_references(self) -> dict[int, int]:
         """Block id -> number of live requests holding it (for invariant checks)."""

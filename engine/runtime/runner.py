@@ -13,8 +13,9 @@ fills them on the device from the previous step's output, so the host never wait
 import logging
 import time
 from dataclasses import dataclass
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
+import numpy as np
 import torch
 
 from m3stack.engine.attention.backend import AttentionBackend
@@ -25,6 +26,9 @@ from m3stack.engine.runtime.inputs import HostInputs, build_host_inputs, to_devi
 from m3stack.engine.runtime.request import Modality, MultimodalInput, Request, SampledToken
 from m3stack.engine.runtime.sampler import DeviceSample, SamplingBatch, build_sampling_batch, sample_on_device
 from m3stack.engine.runtime.scheduler import SchedulerOutput
+
+if TYPE_CHECKING:
+    from m3stack.engine.offload.device import DeviceOffload
 
 logger = logging.getLogger(__name__)
 
@@ -79,6 +83,7 @@ class ModelRunner:
         device: torch.device,
         dtype: torch.dtype,
         decode_graphs: DecodeGraphs | None = None,
+        offload: "DeviceOffload | None" = None,
     ) -> None:
         self.model = model
         self.backend = backend
@@ -88,6 +93,7 @@ class ModelRunner:
         self.device = device
         self.dtype = dtype
         self.decode_graphs = decode_graphs
+        self.offload = offload  # CPU KV offload: spills and hot-buffer handles before each forward
         self.num_graph_steps = 0
         self.num_eager_steps = 0
         # Per-step timing with CUDA events (benchmarks); off by default, it costs two event records.
@@ -108,6 +114,8 @@ class ModelRunner:
         start = time.perf_counter()
         self._encode(out.encoder_items)
         host = build_host_inputs(out, self.block_size)
+        if self.offload is not None:
+            self.offload.before_step([s.request.request_id for s in out.requests], np.diff(host.query_start_loc))
         events = self._events()
         logits, prepare_s = self._forward(host, start, events[0] if events else None)
         if not host.sampling_requests:

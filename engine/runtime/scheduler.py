@@ -229,8 +229,10 @@ class Scheduler:
             )
             if num_new == 0:
                 break
-            if not self.kv.allocate(request, num_new, cached_prefix):  # cannot fail after the check above
-                raise RuntimeError(f"{request}: allocation failed after the capacity check")
+            if not self.kv.allocate(request, num_new, cached_prefix):
+                # Only with CPU KV offload: free blocks count host slots, and the device room for this chunk
+                # comes from moving blocks of running requests out, which may have to wait for their writes.
+                break
             request.num_computed_tokens = num_cached  # the chunk itself is booked at the end of schedule()
             if request.num_cached_tokens is None:
                 request.num_cached_tokens = num_cached

@@ -8,6 +8,7 @@ import time
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+from m3stack.engine.offload.metrics import OffloadStats
 from m3stack.engine.runtime.engine_core import EngineStats, StepReport
 from m3stack.engine.runtime.request import Request, RequestOutput
 from m3stack.engine.server.async_engine import HEALTH_REQUEST_PREFIX, StepObserver
@@ -67,6 +68,7 @@ class EngineMetrics(StepObserver):
             registry=r,
         )
         self.kv_usage.labels(tier="device").set(0)
+        self.offload = OffloadMetrics(r)
         self._arrival: dict[str, float] = {}
         self._last_output: dict[str, float] = {}
         self._previous = EngineStats(0, 0, 0.0, 0, 0, 0, 0, 0, 0, 0)
@@ -111,4 +113,41 @@ class EngineMetrics(StepObserver):
         self.preemptions.inc(stats.num_preemptions - previous.num_preemptions)
         self.encoder_hits.inc(stats.encoder_cache_hits - previous.encoder_cache_hits)
         self.encoder_misses.inc(stats.encoder_cache_misses - previous.encoder_cache_misses)
+        if stats.offload is not None:
+            self.kv_usage.labels(tier="host").set(stats.offload.host_blocks_used / stats.offload.host_blocks)
+            self.offload.update(stats.offload)
+        self._previous = stats
+
+
+class OffloadMetrics:
+    """CPU KV offload (``engine.offload.metrics.OffloadStats``): counters advance by the difference since the
+    previous statistics; rates (hit rate, churn, GB/s) are left to PromQL over these counters."""
+
+    _COUNTERS = (
+        ("spilled_blocks", "offload_spilled_blocks", "KV blocks moved from the GPU to pinned host memory"),
+        ("spill_bytes", "offload_device_to_host_bytes", "Bytes of KV moved to host memory"),
+        ("hot_hits", "offload_hot_buffer_hits", "Selected host blocks a decode step found in its hot buffer"),
+        ("hot_misses", "offload_hot_buffer_misses", "Selected host blocks a decode step copied to the GPU"),
+        ("miss_bytes", "offload_miss_host_to_device_bytes", "Bytes decode steps copied host -> device"),
+        ("staged_bytes", "offload_prefill_host_to_device_bytes", "Bytes prefill chunks read from host blocks"),
+        ("selected_blocks", "offload_selected_blocks", "Distinct blocks decode steps selected (churn base)"),
+        ("churned_blocks", "offload_churned_blocks", "Selected blocks the previous step did not select"),
+        ("miss_copy_seconds", "offload_miss_copy_seconds", "GPU time of timed decode miss copies (the stall)"),
+        ("timed_miss_bytes", "offload_timed_miss_bytes", "Bytes of the timed decode miss copies"),
+    )
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self._counters = {
+            field: Counter(f"m3stack_engine_{name}", text, registry=registry) for field, name, text in self._COUNTERS
+        }
+        self.hot_buffers = Gauge(
+            "m3stack_engine_offload_hot_buffers", "Requests holding a GPU hot buffer for host blocks", registry=registry
+        )
+        self._previous: OffloadStats | None = None
+
+    def update(self, stats: OffloadStats) -> None:
+        self.hot_buffers.set(stats.hot_buffers)
+        for field, counter in self._counters.items():
+            before = getattr(self._previous, field) if self._previous is not None else 0
+            counter.inc(max(0, getattr(stats, field) - before))
         self._previous = stats

@@ -1,0 +1,82 @@
+"""CPU KV offload end to end on the tiny model: the same greedy tokens as without it, a context larger than the
+device's KV budget served, the pools whole again afterwards, and the counters moving.
+
+The "device" here is the CPU (the device KV tensors and the host pool are separate CPU tensors) and attention
+is the reference backend, which reads host blocks through the same hot-buffer rules as the GPU kernels
+(``engine.offload.resolver.resolve_request``).  The device budget is 15 blocks of 16 tokens; the long prompt
+alone needs 20.
+"""
+
+import random
+
+import pytest
+
+from m3stack.engine.runtime import offline
+from m3stack.engine.runtime.builder import build_engine_core
+from m3stack.engine.runtime.config import EngineConfig
+from m3stack.engine.runtime.errors import InvalidRequestError
+from m3stack.engine.runtime.request import SamplingParams
+from m3stack.engine.runtime.validation import build_request
+from m3stack.engine.server.metrics import EngineMetrics
+
+DEVICE_BLOCKS = 15
+NEW_TOKENS = 12
+
+
+def _prompts() -> dict[str, list[int]]:
+    rng = random.Random(1)
+    return {"long": [rng.randrange(380) for _ in range(300)], "short": [rng.randrange(380) for _ in range(60)]}
+
+
+def _generate(core) -> dict[str, list[int]]:
+    sampling = SamplingParams(temperature=0.0, max_new_tokens=NEW_TOKENS, ignore_eos=True)
+    requests = [build_request(core.info, rid, prompt, sampling) for rid, prompt in _prompts().items()]
+    results = offline.generate(core, requests, check_invariants=True)
+    return {rid: result.token_ids for rid, result in results.items()}
+
+
+@pytest.fixture(scope="module")
+def without_offload(tiny_model_dir) -> dict[str, list[int]]:
+    return _generate(build_engine_core(EngineConfig(model=str(tiny_model_dir), num_kv_blocks=40)))
+
+
+def _offload_core(model_dir, **overrides):
+    config = EngineConfig(model=str(model_dir), num_kv_blocks=DEVICE_BLOCKS, kv_offload_gb=0.001,
+                          max_num_batched_tokens=64, **overrides)  # fmt: skip
+    return build_engine_core(config)
+
+
+def test_offload_serves_a_context_beyond_the_device_with_the_same_tokens(tiny_model_dir, without_offload):
+    plain = build_engine_core(EngineConfig(model=str(tiny_model_dir), num_kv_blocks=DEVICE_BLOCKS))
+    with pytest.raises(InvalidRequestError):  # without offload the long prompt does not fit
+        build_request(plain.info, "long", _prompts()["long"], SamplingParams(temperature=0.0, max_new_tokens=1))
+    assert -(-(len(_prompts()["long"]) + NEW_TOKENS) // 16) > DEVICE_BLOCKS
+    core = _offload_core(tiny_model_dir)
+    assert _generate(core) == without_offload
+    stats = core.stats().offload
+    assert stats is not None and stats.spilled_blocks > 0 and stats.spill_bytes > 0
+    assert stats.hot_hits > 0 and stats.hot_misses > 0 and stats.miss_bytes == stats.hot_misses * 2 * 2 * 16 * 32 * 4
+    assert stats.staged_bytes > 0  # prefill chunks after the first spill read host blocks
+    assert 0 < stats.churned_blocks < stats.selected_blocks
+    kv = core.scheduler.kv
+    assert kv.pool.num_free_blocks == kv.pool.num_usable_blocks and stats.host_blocks_used == 0
+    assert stats.hot_buffers == 0
+    metrics = EngineMetrics()
+    metrics.on_stats(core.stats())
+    sample = metrics.registry.get_sample_value
+    assert sample("m3stack_engine_offload_spilled_blocks_total") == stats.spilled_blocks
+    assert sample("m3stack_engine_offload_hot_buffer_misses_total") == stats.hot_misses
+    assert sample("m3stack_engine_kv_cache_usage_ratio", {"tier": "host"}) == 0.0
+
+
+def test_async_scheduling_without_prefix_caching_gives_the_same_tokens(tiny_model_dir, without_offload):
+    core = _offload_core(tiny_model_dir, async_scheduling=True, enable_prefix_caching=False)
+    assert _generate(core) == without_offload
+    assert core.stats().offload.spilled_blocks > 0
+
+
+def test_bad_offload_settings_are_refused(tiny_model_dir):
+    with pytest.raises(ValueError, match="below the 6 blocks"):
+        _offload_core(tiny_model_dir, kv_offload_hot_blocks=5)
+    with pytest.raises(ValueError, match="no MSA layer"):
+        _offload_core(tiny_model_dir, attention="dense")
