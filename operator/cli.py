@@ -21,6 +21,15 @@ def namespace_list(text: str) -> tuple[str, ...]:
     return names
 
 
+def gateway_metrics_urls(text: str) -> dict[tuple[str | None, str], tuple[str, ...]]:
+    from m3stack.operator.autoscaler.metrics_source import parse_explicit_targets
+
+    try:
+        return parse_explicit_targets(text)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from error
+
+
 def add_arguments(opts: OptionGroup) -> None:
     opts.add(
         "--namespace",
@@ -46,10 +55,31 @@ def add_arguments(opts: OptionGroup) -> None:
     opts.add("--liveness-host", default="0.0.0.0", help="listen address of the liveness endpoint /healthz")
     opts.add("--liveness-port", type=options.port, default=8080, help="port of the liveness endpoint /healthz")
     opts.add("--workers", type=options.positive_int, default=8, help="threads running reconciles in parallel")
+    opts.add(
+        "--autoscaler-interval",
+        type=options.positive_float,
+        default=2.0,
+        help="seconds between two decisions of the built-in engine autoscaler (one read of each gateway's "
+        "/metrics per M3Deployment in mode Builtin)",
+    )
+    opts.add(
+        "--autoscaler-scrape-timeout",
+        type=options.positive_float,
+        default=1.0,
+        help="seconds one gateway's /metrics may take before it counts as unanswered",
+    )
+    opts.add(
+        "--autoscaler-metrics-urls",
+        type=gateway_metrics_urls,
+        help="'[NAMESPACE/]NAME=URL[,URL...][;...]': read these gateway /metrics URLs instead of discovering "
+        "gateway pods; resources not listed are then not scraped (an operator outside the cluster, tests)",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
     # kopf and the Kubernetes client are imported here so `m3stack --help` stays fast.
+    from m3stack.operator.autoscaler.daemon import AutoscalerOptions
+    from m3stack.operator.autoscaler.metrics_source import MetricsTargets
     from m3stack.operator.render import Images
     from m3stack.operator.runner import OperatorOptions, serve
 
@@ -60,6 +90,11 @@ def run(args: argparse.Namespace) -> int:
         liveness_host=args.liveness_host,
         liveness_port=args.liveness_port,
         workers=args.workers,
+        autoscaler=AutoscalerOptions(
+            interval_s=args.autoscaler_interval,
+            scrape_timeout_s=args.autoscaler_scrape_timeout,
+            targets=MetricsTargets(args.autoscaler_metrics_urls or {}),
+        ),
     )
     scope = ", ".join(operator_options.namespaces) or "all namespaces"
     logger.info("m3stack operator %s watching %s", __version__, scope)

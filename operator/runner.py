@@ -1,4 +1,5 @@
-"""Run the operator: kopf's event loop, the work queue and the drift loop, sharing one Reconciler.
+"""Run the operator: kopf's event loop, the work queue and the drift loop, sharing one Reconciler, and
+the built-in engine autoscaler (``autoscaler/daemon.py``), fed by the same watches.
 
 The drift loop asks the work queue to re-reconcile every M3Deployment in the watched namespaces
 every ``drift_interval_seconds``: edits to children that produced no event the operator acts on
@@ -10,13 +11,15 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import kopf
 from kubernetes import client as k8s
 from kubernetes import config as k8s_config
 
 from m3stack.operator.apply import M3DEPLOYMENT, ApiError, Cluster
+from m3stack.operator.autoscaler.daemon import FIELD_MANAGER as AUTOSCALER_FIELD_MANAGER
+from m3stack.operator.autoscaler.daemon import AutoscalerOptions, Autoscalers
 from m3stack.operator.handlers import build_registry, configure_settings
 from m3stack.operator.reconcile import Reconciler
 from m3stack.operator.render import Images
@@ -27,6 +30,8 @@ logger = logging.getLogger(__name__)
 # Threads draining the work queue (child deletions, status refreshes, drift checks); kopf's own
 # handler threads (--workers) create and update resources.
 QUEUE_WORKERS = 4
+# API connections of the autoscaler (scale, status and event writes, from short-lived threads).
+AUTOSCALER_CONNECTIONS = 4
 
 
 @dataclass(frozen=True)
@@ -37,6 +42,7 @@ class OperatorOptions:
     liveness_host: str
     liveness_port: int
     workers: int
+    autoscaler: AutoscalerOptions = field(default_factory=AutoscalerOptions)
 
 
 def api_client(connections: int) -> k8s.ApiClient:
@@ -76,6 +82,8 @@ async def serve(options: OperatorOptions) -> None:
     if logging.getLogger().getEffectiveLevel() > logging.DEBUG:
         # kopf logs every handler run at INFO: one line per child and pod event is noise, failures stay.
         logging.getLogger("kopf.objects").setLevel(logging.WARNING)
+        # httpx logs every request at INFO: the autoscaler reads each gateway every couple of seconds.
+        logging.getLogger("httpx").setLevel(logging.WARNING)
     # kopf's handler threads, the queue's workers and the drift loop's listing.
     cluster = Cluster(api_client(connections=options.workers + QUEUE_WORKERS + 1))
     reconciler = Reconciler(cluster, options.images)
@@ -88,6 +96,10 @@ async def serve(options: OperatorOptions) -> None:
     settings = kopf.OperatorSettings()
     configure_settings(settings)
     settings.execution.max_workers = options.workers
+    registry = build_registry(reconciler, queue)
+    autoscaler_api = Cluster(api_client(connections=AUTOSCALER_CONNECTIONS), field_manager=AUTOSCALER_FIELD_MANAGER)
+    autoscalers = Autoscalers(autoscaler_api, options.autoscaler)
+    autoscalers.register(registry)
     background = [
         asyncio.create_task(queue.run(), name="workqueue"),
         asyncio.create_task(
@@ -96,7 +108,7 @@ async def serve(options: OperatorOptions) -> None:
     ]
     try:
         await kopf.operator(
-            registry=build_registry(reconciler, queue),
+            registry=registry,
             settings=settings,
             standalone=True,  # one replica (Recreate): no peering objects, no peering RBAC
             clusterwide=not options.namespaces,
@@ -109,3 +121,4 @@ async def serve(options: OperatorOptions) -> None:
         for task in background:
             with contextlib.suppress(asyncio.CancelledError):
                 await task
+        await autoscalers.close()
