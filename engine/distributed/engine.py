@@ -24,11 +24,12 @@ from dataclasses import dataclass, replace
 import torch
 import torch.distributed as dist
 
+from m3stack.engine.attention.dense_only import dense_kv_spec
 from m3stack.engine.distributed.config import MULTICAST_OFF_ENV
 from m3stack.engine.distributed.messages import Channel, LeaderModel, RecordingBackend, serve_steps
 from m3stack.engine.distributed.model import ShardedM3, load_sharded_model
 from m3stack.engine.distributed.sharding import plan_shards
-from m3stack.engine.kv_cache.tensors import allocate_kv_cache
+from m3stack.engine.kv_cache.tensors import KVCacheSpec, allocate_kv_cache
 from m3stack.engine.model.config import load_config
 from m3stack.engine.runtime.builder import (
     CPU_DEFAULT_KV_GB,
@@ -113,10 +114,16 @@ def start_rank(config: EngineConfig, rank: int, local_rank: int) -> RankState:
     return RankState(model, device, dtype, channel, num_blocks)
 
 
+def rank_kv_spec(config: EngineConfig, model: ShardedM3, dtype: torch.dtype) -> KVCacheSpec:
+    """This rank's cache layout, as the builder's (``--attention dense`` keeps no index keys)."""
+    spec = model.kv_cache_spec(dtype)
+    return dense_kv_spec(spec) if config.attention == "dense" else spec
+
+
 def _agree_num_blocks(
     config: EngineConfig, model: ShardedM3, device: torch.device, dtype: torch.dtype, channel: Channel
 ) -> int:
-    spec = model.kv_cache_spec(dtype)
+    spec = rank_kv_spec(config, model, dtype)
     if config.num_kv_blocks is not None:
         blocks = config.num_kv_blocks + 1
     elif config.kv_cache_gb is not None or device.type != "cuda":
@@ -140,7 +147,7 @@ def _profile_peak_bytes(config: EngineConfig, model: ShardedM3, device: torch.de
     """Peak bytes of one full-budget prefill forward plus its logits, run on every rank at once."""
     from m3stack.engine.attention.metadata import AttentionMetadata
 
-    spec = model.kv_cache_spec(dtype)
+    spec = rank_kv_spec(config, model, dtype)
     tokens = config.max_num_batched_tokens
     sampled = min(config.max_num_seqs, tokens)
     pages = -(-tokens // spec.block_size)
@@ -150,7 +157,7 @@ def _profile_peak_bytes(config: EngineConfig, model: ShardedM3, device: torch.de
     torch.cuda.reset_peak_memory_stats(device)
     caches = allocate_kv_cache(spec, pages + 1, device)
     cache_bytes = torch.cuda.memory_allocated(device) - before
-    backend = make_attention_backend(caches, model.local_config(), device)
+    backend = make_attention_backend(caches, model.local_config(), device, mode=config.attention)
     starts = torch.tensor([0, tokens], dtype=torch.int32)
     lens = torch.tensor([tokens], dtype=torch.int32)
     positions = torch.arange(tokens, device=device)
@@ -212,8 +219,8 @@ def run_worker(config: EngineConfig, rank: int, local_rank: int) -> None:
         configure_logging()
         _watch_parent()
     state = start_rank(config, rank, local_rank)
-    caches = allocate_kv_cache(state.model.kv_cache_spec(state.dtype), state.num_blocks, state.device)
-    backend = make_attention_backend(caches, state.model.local_config(), state.device)
+    caches = allocate_kv_cache(rank_kv_spec(config, state.model, state.dtype), state.num_blocks, state.device)
+    backend = make_attention_backend(caches, state.model.local_config(), state.device, mode=config.attention)
     serve_steps(state.model, backend, state.channel)
     dist.destroy_process_group()
 
