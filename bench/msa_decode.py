@@ -1,28 +1,36 @@
 """MSA decode on one GPU, per layer: index scoring + top-k, sparse attention, the whole layer, and the
-dense FlashInfer paged decode of the same context and batch (the peer), with M3 attention dims.
+dense FlashInfer paged decode of the same context and batch (the peer), with M3 attention dims; then
+a sweep of the decode layer's launch choices (``engine.msa.decode_tuning``) and the layer re-timed
+with the fastest of them, all in one run.
 
     python -m bench.msa_decode [--out DIR] [--contexts 8192,1048576] [--batches 1,8] [--no-sweep]
     python -m bench.msa_decode --table bench/results/msa_decode.json   # the README tables, no GPU needed
 
-Every timing is a CUDA graph of the layer call(s), replayed and timed with CUDA events (median), so
-launch gaps do not count (decode runs under CUDA graphs in production).  Each case keeps as many
-independent layer caches as it takes for one replay to stream >= 256 MiB, and the graph walks
-them in turn, so the timed data never sits in the 50 MiB L2.  Rows (``bench/results/msa_decode.json``):
+Timing: each measurement is a CUDA graph of many layer calls (the case's independent layer caches in
+turn, repeated until one replay runs >= ~2 ms), replayed and timed with CUDA events (median of 10
+replays, divided by the calls), as a decode step's graph runs layer after layer: launch gaps inside
+the graph count, the graph's own launch does not.  The cases rotate enough layer caches that one
+pass streams >= 256 MiB of k-index, so the timed data never sits in the 50 MiB L2.  ``*_1replay_us``
+keep the method of earlier runs (one graph of one pass per replay, launch latency included).
 
-* ``index_us``: indexer scan + merge (``decode_index_topk``), default ``ScanConfig``; ``scan_us`` and
-  ``merge_us`` separately; ``index_scan_tbps``: k-index bytes / ``index_us``;
-* ``attn_us``: sparse attention over the selected pages (FlashInfer flattened decode);
-  ``attn_triton_us``: the Triton fallback;
+Rows (``rows`` in the JSON, default ``DecodeTuning``):
+
+* ``index_us``: ``decode_index_topk`` (scan with the merge fused); ``scan_us``: the scan alone, and
+  ``merge_us``: the merge as its own launch; ``index_scan_tbps``: k-index bytes / ``index_us``;
+* ``attn_us``: the Triton sparse attention over the selected pages; ``attn_fi_us``: FlashInfer's;
 * ``total_us``: ``GpuAttentionBackend.sparse`` (store + index + attention: the whole MSA layer);
+  ``total_fi_us``: the same with FlashInfer attention and a separate store;
 * ``dense_us``: ``GpuAttentionBackend.dense`` (store + FlashInfer paged decode); ``speedup``;
-* ``index_fp8_us``, ``total_fp8_us``, ``speedup_fp8``: the same over an fp8 (e4m3) k-index.
+* ``index_fp8_us``, ``total_fp8_us``, ``speedup_fp8``: the same layer over an fp8 (e4m3) k-index.
 
-Then, with the time left, a sweep of scan configurations (pages per step, warps, stages, splits;
-bf16 and fp8 keys) at 1M and 128K context goes to ``scan_sweep``.  Every case catches its own
-failure; the JSON is rewritten after each case.
+Then, at the sweep cases (1M and 128K, batch 1 and 8): scan programs per SM, scan launch configs,
+fp8 scan configs, attention configs and FlashInfer, store fused or not (``decode_sweep``), and the
+layer with the fastest index and attention choices (``tuned``).  Every case catches its own failure
+and the JSON is rewritten after each; the tables print last.
 """
 
 import argparse
+import dataclasses
 import json
 import logging
 import math
@@ -41,10 +49,15 @@ from m3stack.engine.attention.gpu import GpuAttentionBackend
 from m3stack.engine.attention.metadata import AttentionMetadata
 from m3stack.engine.kv_cache.tensors import KVCacheSpec, LayerKVCache, allocate_kv_cache
 from m3stack.engine.msa import reference
-from m3stack.engine.msa.decode_attention import FlashInferSparseDecode, flashinfer_available, sparse_decode_attention
+from m3stack.engine.msa.decode_attention import (
+    FlashInferSparseDecode,
+    TritonDecodeConfig,
+    flashinfer_available,
+    sparse_decode_attention,
+)
 from m3stack.engine.msa.decode_index import ScanConfig, decode_index_topk, merge_selection, scan_index_pages
 from m3stack.engine.msa.decode_plan import SparseDecodePlan, SparseDecodeShape, plan_sparse_decode
-from m3stack.engine.msa.store import store_kv
+from m3stack.engine.msa.decode_tuning import DecodeTuning
 
 logger = logging.getLogger("bench.msa_decode")
 
@@ -52,41 +65,53 @@ M3 = SparseDecodeShape(num_q_heads=64, num_kv_heads=4, head_dim=128, index_head_
                        local_blocks=1)  # fmt: skip
 CONTEXTS = [8192, 32768, 131072, 524288, 1048576]
 BATCHES = [1, 8, 32]
+# Swept cases, most telling first: the 7x target is at 1M, batch 1 is the hardest.
+SWEEP_CASES = [(1048576, 1), (131072, 1), (1048576, 8), (131072, 8)]
 ROTATION_BYTES = 256 * 2**20
 MAX_LAYERS = 64
-TIME_BUDGET_S = 360  # bench/gpu_suite.py gives this stage 420 s
-ROWS_BUDGET_S = 240  # the main rows first; the sweeps get the rest
-SWEEP_CASES = {(1048576, 1), (131072, 8)}
-SWEEP_CONFIGS = [ScanConfig(p, w, s) for p in (1, 2) for w in (4, 8) for s in (2, 3, 4)]
-SWEEP_SPLITS = [64, 132, 264, 396, 512]
-SWEEP_FP8_CONFIGS = [ScanConfig(1, 4, 3), ScanConfig(1, 8, 3), ScanConfig(2, 8, 3), ScanConfig(2, 4, 2)]
-COLUMNS = ["context", "batch", "index_us", "scan_us", "merge_us", "attn_us", "attn_triton_us", "total_us",
+TARGET_REPLAY_US = 2000.0
+MAX_REPEATS = 64
+TIME_BUDGET_S = 330  # bench/gpu_suite.py gives this stage 420 s
+SWEEP_BUDGET_S = 55  # per swept case
+SCAN_PROGRAMS_PER_SM = [1, 2, 3, 4]
+SCAN_CONFIGS = [ScanConfig(p, w, s) for p, w, s in ((1, 4, 3), (1, 4, 2), (1, 4, 4), (1, 8, 3), (2, 4, 2), (2, 8, 2),
+                                                    (2, 8, 3))]  # fmt: skip
+ATTENTION_CONFIGS = [
+    TritonDecodeConfig(),
+    TritonDecodeConfig(pages_per_split=1),
+    TritonDecodeConfig(pages_per_split=2),
+    TritonDecodeConfig(pages_per_split=4),
+    TritonDecodeConfig(pages_per_split=2, num_warps=8),
+    TritonDecodeConfig(pages_per_split=4, num_stages=2),
+    TritonDecodeConfig(fused_combine=False),
+]
+COLUMNS = ["context", "batch", "index_us", "scan_us", "merge_us", "attn_us", "attn_fi_us", "total_us", "total_fi_us",
            "dense_us", "speedup", "index_scan_tbps", "index_fp8_us", "total_fp8_us", "speedup_fp8"]  # fmt: skip
+SWEEP_COLUMNS = ["context", "batch", "part", "variant", "us", "tbps", "error"]
+TUNED_COLUMNS = ["context", "batch", "scan_programs_per_sm", "scan", "attention", "fused_store", "total_us",
+                 "dense_us", "speedup", "total_fp8_us", "speedup_fp8"]  # fmt: skip
 
 
-def time_layers(call: Callable[[int], Any], layers: int, replays: int = 15) -> tuple[float, str]:
-    """Median microseconds per layer of ``call(0..layers-1)``, as a CUDA graph (eager if capture fails)."""
-    for layer in range(layers):  # compile, plan caches, allocator warm-up
-        call(layer)
-    torch.cuda.synchronize()
-    graph: torch.cuda.CUDAGraph | None = torch.cuda.CUDAGraph()
-    method = "cuda_graph"
+@dataclass
+class Timing:
+    us: float  # per call, graph of many calls
+    single_replay_us: float  # per call, one graph of one pass per replay (earlier runs' method)
+    method: str
+
+
+def _capture(calls: Callable[[], Any]) -> torch.cuda.CUDAGraph | None:
+    graph = torch.cuda.CUDAGraph()
     try:
         with torch.cuda.graph(graph):
-            for layer in range(layers):
-                call(layer)
+            calls()
     except Exception as exc:  # a path that cannot be captured is still timed, eagerly
         logger.warning("graph capture failed (%s); timing eagerly", exc)
-        graph, method = None, "eager"
         torch.cuda.synchronize()
+        return None
+    return graph
 
-    def run() -> None:
-        if graph is not None:
-            graph.replay()
-        else:
-            for layer in range(layers):
-                call(layer)
 
+def _median_us(run: Callable[[], None], replays: int) -> float:
     run()
     samples = []
     for _ in range(replays):
@@ -95,8 +120,31 @@ def time_layers(call: Callable[[int], Any], layers: int, replays: int = 15) -> t
         run()
         end.record()
         end.synchronize()
-        samples.append(start.elapsed_time(end) * 1e3 / layers)
-    return statistics.median(samples), method
+        samples.append(start.elapsed_time(end) * 1e3)
+    return statistics.median(samples)
+
+
+def time_layers(call: Callable[[int], Any], layers: int, replays: int = 10) -> Timing:
+    """Microseconds per ``call(layer)``: see the module docstring."""
+
+    def one_pass() -> None:
+        for layer in range(layers):
+            call(layer)
+
+    one_pass()  # compile, plan caches, allocator warm-up
+    torch.cuda.synchronize()
+    graph = _capture(one_pass)
+    if graph is None:
+        us = _median_us(one_pass, replays) / layers
+        return Timing(us, us, "eager")
+    single = _median_us(graph.replay, 5) / layers
+    repeats = max(1, min(MAX_REPEATS, math.ceil(TARGET_REPLAY_US / (single * layers))))
+    if repeats > 1:
+        del graph
+        graph = _capture(lambda: [one_pass() for _ in range(repeats)])
+        if graph is None:
+            return Timing(single, single, "cuda_graph_single")
+    return Timing(_median_us(graph.replay, replays) / (layers * repeats), single, "cuda_graph")
 
 
 @dataclass
@@ -109,6 +157,7 @@ class Case:
     k_new: torch.Tensor  # [B, Hkv, D]
     index_q: torch.Tensor  # [B, Hidx, d]
     index_k_new: torch.Tensor  # [B, d]
+    fp8_caches: list[LayerKVCache] | None = None
 
     @property
     def layers(self) -> int:
@@ -118,12 +167,23 @@ class Case:
     def index_bytes(self) -> int:
         return self.batch * self.context * M3.index_head_dim * 2
 
+    @property
+    def layer_args(self) -> tuple[torch.Tensor, ...]:
+        return self.q, self.k_new, self.k_new, self.index_q, self.index_k_new
+
+    def fp8(self) -> list[LayerKVCache]:
+        """The same caches with an fp8 (e4m3) k-index (made once)."""
+        if self.fp8_caches is None:
+            self.fp8_caches = [LayerKVCache(c.key, c.value, c.index_key.to(torch.float8_e4m3fn)) for c in self.caches]
+        return self.fp8_caches
+
 
 def case_layers(context: int, batch: int, free_bytes: int) -> tuple[int, int]:
-    """(layers, pages per layer) that rotate >= ROTATION_BYTES of k-index and fit in ``free_bytes``."""
+    """(layers, pages per layer) that rotate >= ROTATION_BYTES of k-index and fit in ``free_bytes``
+    (with room for an fp8 copy of the k-index)."""
     pages = batch * math.ceil(context / M3.block_size) + 1  # page 0 stays unused
     index_page = M3.block_size * M3.index_head_dim * 2
-    page_bytes = 2 * M3.num_kv_heads * M3.block_size * M3.head_dim * 2 + index_page
+    page_bytes = 2 * M3.num_kv_heads * M3.block_size * M3.head_dim * 2 + index_page * 3 // 2
     layers = min(MAX_LAYERS, max(1, math.ceil(ROTATION_BYTES / (pages * index_page))))
     layers = min(layers, free_bytes // (pages * page_bytes))
     return layers, pages
@@ -165,6 +225,51 @@ def build_case(context: int, batch: int, device: torch.device, generator: torch.
                 randn(batch, M3.index_head_dim))  # fmt: skip
 
 
+def backend_for(caches: list[LayerKVCache], tuning: DecodeTuning, use_flashinfer: bool) -> GpuAttentionBackend:
+    return GpuAttentionBackend(caches, topk_blocks=M3.topk, local_blocks=M3.local_blocks, num_q_heads=M3.num_q_heads,
+                               use_flashinfer=use_flashinfer, decode_tuning=tuning)  # fmt: skip
+
+
+def time_layer(case: Case, tuning: DecodeTuning, use_flashinfer: bool, fp8: bool = False) -> Timing:
+    """The whole MSA layer as the model calls it, ``GpuAttentionBackend.sparse``."""
+    backend = backend_for(case.fp8() if fp8 else case.caches, tuning, use_flashinfer)
+    backend.begin_step(case.metadata)
+    return time_layers(lambda layer: backend.sparse(layer, *case.layer_args), case.layers)
+
+
+def time_dense(case: Case, use_flashinfer: bool) -> Timing:
+    """The dense peer over the same K/V tensors, as dense layers (no index keys)."""
+    backend = backend_for([LayerKVCache(c.key, c.value, None) for c in case.caches], DecodeTuning(), use_flashinfer)
+    backend.begin_step(case.metadata)
+    return time_layers(lambda layer: backend.dense(layer, *case.layer_args[:3]), case.layers)
+
+
+def time_index(case: Case, plan: SparseDecodePlan, config: ScanConfig, fp8: bool = False) -> float:
+    keys = [c.index_key for c in (case.fp8() if fp8 else case.caches)]
+    return time_layers(lambda layer: decode_index_topk(case.index_q, keys[layer], case.metadata, plan, config),
+                       case.layers).us  # fmt: skip
+
+
+def time_attention(case: Case, plan: SparseDecodePlan, config: TritonDecodeConfig | None,
+                   flashinfer: FlashInferSparseDecode | None) -> float:  # fmt: skip
+    """Sparse attention over the pages ``plan`` holds (filled by an index call before)."""
+    scale = M3.head_dim**-0.5
+    metadata = case.metadata
+
+    def call(layer: int) -> torch.Tensor:
+        cache = case.caches[layer]
+        return sparse_decode_attention(case.q, cache.key, cache.value, plan, metadata.positions, metadata.page_table,
+                                       scale, flashinfer, triton_config=config)  # fmt: skip
+
+    return time_layers(call, case.layers).us
+
+
+def planned_flashinfer(plan: SparseDecodePlan, device: torch.device) -> FlashInferSparseDecode:
+    flashinfer = FlashInferSparseDecode(device)
+    flashinfer.plan(plan, torch.bfloat16, M3.head_dim**-0.5)
+    return flashinfer
+
+
 def check_request0(case: Case, selected: torch.Tensor, out: torch.Tensor) -> dict[str, Any]:
     """The timed path's answer for request 0 against the fp32 reference (cheap up to ~128K)."""
     cache, context = case.caches[-1], case.context
@@ -184,98 +289,144 @@ def check_request0(case: Case, selected: torch.Tensor, out: torch.Tensor) -> dic
 
 
 def measure(case: Case, use_flashinfer: bool) -> dict[str, Any]:
+    """The default layer, its parts, the FlashInfer variant, fp8 and the dense peer (the ``rows``)."""
     device = case.q.device
-    scale = M3.head_dim**-0.5
-    metadata, layers = case.metadata, case.layers
-    row: dict[str, Any] = {"context": case.context, "batch": case.batch, "layers": layers}
-    # The dense peer reads the same K/V tensors, as dense layers (no index keys).
-    dense_views = [LayerKVCache(cache.key, cache.value, None) for cache in case.caches]
-    backend, dense_backend = (
-        GpuAttentionBackend(caches, topk_blocks=M3.topk, local_blocks=M3.local_blocks, num_q_heads=M3.num_q_heads,
-                            use_flashinfer=use_flashinfer)
-        for caches in (case.caches, dense_views)
-    )  # fmt: skip
-    backend.begin_step(metadata)
-    dense_backend.begin_step(metadata)
+    metadata, last = case.metadata, case.layers - 1
+    row: dict[str, Any] = {"context": case.context, "batch": case.batch, "layers": case.layers}
     plan = plan_sparse_decode(metadata, M3, device)
-    fi_sparse = None
-    if use_flashinfer:
-        fi_sparse = FlashInferSparseDecode(device)
-        fi_sparse.plan(plan, torch.bfloat16, scale)
-    caches = case.caches
-
-    def timed(name: str, call: Callable[[int], Any]) -> None:
-        row[name], method = time_layers(call, layers)
-        if method != "cuda_graph":
-            row.setdefault("timed_eagerly", []).append(name)
-
-    timed("index_us", lambda layer: decode_index_topk(case.index_q, caches[layer].index_key, metadata, plan))
-    partial = scan_index_pages(case.index_q, caches[0].index_key, metadata, plan)
-    timed("scan_us", lambda layer: scan_index_pages(case.index_q, caches[layer].index_key, metadata, plan))
-    timed("merge_us", lambda _l: merge_selection(partial, metadata, plan))
+    row["scan_splits"] = plan.scan_splits
+    row["index_us"] = time_index(case, plan, ScanConfig())
     row["index_scan_tbps"] = case.index_bytes / (row["index_us"] * 1e-6) / 1e12
-
-    def attention(layer: int, fi: FlashInferSparseDecode | None) -> torch.Tensor:
-        cache = caches[layer]
-        return sparse_decode_attention(case.q, cache.key, cache.value, plan, metadata.positions, metadata.page_table,
-                                       scale, fi)  # fmt: skip
-
-    if fi_sparse is not None:
-        timed("attn_us", lambda layer: attention(layer, fi_sparse))
-    timed("attn_triton_us", lambda layer: attention(layer, None))
-    args = (case.q, case.k_new, case.k_new, case.index_q, case.index_k_new)
-    timed("total_us", lambda layer: backend.sparse(layer, *args))
-    timed("dense_us", lambda layer: dense_backend.dense(layer, *args[:3]))
+    separate = ScanConfig(fused_merge=False)
+    keys = [c.index_key for c in case.caches]
+    row["scan_us"] = time_layers(
+        lambda layer: scan_index_pages(case.index_q, keys[layer], metadata, plan, separate), case.layers).us
+    scan = scan_index_pages(case.index_q, keys[last], metadata, plan, separate)
+    row["merge_us"] = time_layers(lambda _layer: merge_selection(scan, metadata, plan), case.layers).us
+    # Both merges must agree (page ids of the last layer), and leave the scan's counters at zero.
+    separate_pages = plan.page_ids.clone()
+    selected = decode_index_topk(case.index_q, keys[last], metadata, plan)
+    row["merges_agree"] = bool(torch.equal(separate_pages, plan.page_ids)) and not bool(plan.scan_counters.any())
+    row["attn_us"] = time_attention(case, plan, None, None)
+    out = sparse_decode_attention(case.q, case.caches[last].key, case.caches[last].value, plan, metadata.positions,
+                                  metadata.page_table, M3.head_dim**-0.5)  # fmt: skip
+    if use_flashinfer:
+        flashinfer = planned_flashinfer(plan, device)
+        row["attn_fi_us"] = time_attention(case, plan, None, flashinfer)
+        cache = case.caches[last]
+        out_fi = sparse_decode_attention(case.q, cache.key, cache.value, plan, metadata.positions,
+                                         metadata.page_table, M3.head_dim**-0.5, flashinfer)  # fmt: skip
+        row["attn_paths_max_diff"] = float((out.float() - out_fi.float()).abs().max())
+    total = time_layer(case, DecodeTuning(), use_flashinfer)
+    row["total_us"], row["total_1replay_us"] = total.us, total.single_replay_us
+    if use_flashinfer:
+        fi = DecodeTuning(attention="flashinfer", fused_store=False)
+        row["total_fi_us"] = time_layer(case, fi, use_flashinfer).us
+    dense = time_dense(case, use_flashinfer)
+    row["dense_us"], row["dense_1replay_us"] = dense.us, dense.single_replay_us
     row["speedup"] = row["dense_us"] / row["total_us"]
-
-    # The same layer over an fp8 (e4m3) k-index: half the scan's bytes.
-    fp8_caches = [LayerKVCache(c.key, c.value, c.index_key.to(torch.float8_e4m3fn)) for c in caches]
-    timed("index_fp8_us", lambda layer: decode_index_topk(case.index_q, fp8_caches[layer].index_key, metadata, plan))
-
-    def fp8_layer(layer: int) -> torch.Tensor:
-        cache = fp8_caches[layer]
-        store_kv(cache, metadata.slot_mapping, case.k_new, case.k_new, case.index_k_new)
-        decode_index_topk(case.index_q, cache.index_key, metadata, plan)
-        return attention(layer, fi_sparse)
-
-    timed("total_fp8_us", fp8_layer)
+    row["index_fp8_us"] = time_index(case, plan, ScanConfig(), fp8=True)
     row["index_fp8_tbps"] = case.index_bytes / 2 / (row["index_fp8_us"] * 1e-6) / 1e12
+    row["total_fp8_us"] = time_layer(case, DecodeTuning(), use_flashinfer, fp8=True).us
     row["speedup_fp8"] = row["dense_us"] / row["total_fp8_us"]
+    if total.method != "cuda_graph" or dense.method != "cuda_graph":
+        row["timing"] = f"total {total.method}, dense {dense.method}"
     if case.context <= 131072:
-        selected = decode_index_topk(case.index_q, caches[-1].index_key, metadata, plan)
-        row.update(check_request0(case, selected, attention(layers - 1, fi_sparse)))
+        row.update(check_request0(case, selected, out))
     return row
 
 
-def sweep(case: Case, deadline: float) -> list[dict[str, Any]]:
-    """Index time per scan configuration and split count at one case, bf16 and fp8 k-index."""
-    device = case.q.device
-    results = []
-    variants = [(torch.bfloat16, config, None) for config in SWEEP_CONFIGS]
-    variants += [(torch.bfloat16, ScanConfig(), splits) for splits in SWEEP_SPLITS if case.batch * splits <= 4096]
-    variants += [(torch.float8_e4m3fn, config, None) for config in SWEEP_FP8_CONFIGS]
-    index_caches = {torch.bfloat16: [cache.index_key for cache in case.caches]}
-    for dtype, config, splits in variants:
-        entry: dict[str, Any] = {"context": case.context, "batch": case.batch, "index_dtype": str(dtype)[6:],
-                                 **config.__dict__, "scan_splits": splits}  # fmt: skip
+def sweep(case: Case, use_flashinfer: bool, deadline: float) -> tuple[list[dict[str, Any]], dict[str, Any] | None]:
+    """Each decode-layer choice varied alone around the defaults; then the layer with the fastest index
+    and attention choices (``tuned``)."""
+    device, metadata = case.q.device, case.metadata
+    results: list[dict[str, Any]] = []
+    base = {"context": case.context, "batch": case.batch}
+
+    def record(part: str, variant: str, measure_us: Callable[[], float], index_bytes: int = 0) -> None:
+        entry: dict[str, Any] = {**base, "part": part, "variant": variant}
         if time.monotonic() > deadline:
-            entry["skipped"] = "time budget"
-            results.append(entry)
-            continue
-        try:
-            if dtype not in index_caches:
-                index_caches[dtype] = [keys.to(dtype) for keys in index_caches[torch.bfloat16]]
-            plan: SparseDecodePlan = plan_sparse_decode(case.metadata, M3, device, scan_splits=splits)
-            entry["scan_splits"] = plan.scan_splits
-            keys = index_caches[dtype]
-            us, _ = time_layers(lambda layer, p=plan, c=config, k=keys: decode_index_topk(
-                case.index_q, k[layer], case.metadata, p, c), case.layers)  # fmt: skip
-            entry.update(index_us=us, index_scan_tbps=case.index_bytes * dtype.itemsize / 2 / (us * 1e-6) / 1e12)
-        except Exception as exc:
-            entry["error"] = f"{type(exc).__name__}: {exc}"[:300]
+            entry["error"] = "skipped: time budget"
+        else:
+            try:
+                entry["us"] = measure_us()
+                if index_bytes:
+                    entry["tbps"] = index_bytes / (entry["us"] * 1e-6) / 1e12
+            except Exception as exc:
+                logger.exception("sweep %s %s failed", part, variant)
+                entry["error"] = f"{type(exc).__name__}: {exc}"[:300]
         results.append(entry)
         logger.info("sweep %s", entry)
-    return results
+
+    plans = {n: plan_sparse_decode(metadata, M3, device, scan_programs_per_sm=n) for n in SCAN_PROGRAMS_PER_SM}
+    for n, plan in plans.items():
+        record("index", f"programs_per_sm={n} splits={plan.scan_splits}",
+               lambda p=plan: time_index(case, p, ScanConfig()), case.index_bytes)  # fmt: skip
+    default_plan = plan_sparse_decode(metadata, M3, device)
+    for config in SCAN_CONFIGS[1:]:
+        record("index", scan_name(config), lambda c=config: time_index(case, default_plan, c), case.index_bytes)
+    for config in SCAN_CONFIGS[:2] + SCAN_CONFIGS[4:5]:
+        record("index_fp8", scan_name(config), lambda c=config: time_index(case, default_plan, c, fp8=True),
+               case.index_bytes // 2)  # fmt: skip
+    decode_index_topk(case.index_q, case.caches[-1].index_key, metadata, default_plan)
+    for config in ATTENTION_CONFIGS[1:]:
+        record("attention", attention_name(config), lambda c=config: time_attention(case, default_plan, c, None))
+    if use_flashinfer:
+        flashinfer = planned_flashinfer(default_plan, device)
+        record("attention", "flashinfer", lambda: time_attention(case, default_plan, None, flashinfer))
+    record("layer", "separate store", lambda: time_layer(case, DecodeTuning(fused_store=False), use_flashinfer).us)
+    if use_flashinfer:
+        fi_fused = DecodeTuning(attention="flashinfer")
+        record("layer", "flashinfer attention, fused store", lambda: time_layer(case, fi_fused, use_flashinfer).us)
+    tuned = tuned_layer(case, results, use_flashinfer, deadline)
+    return results, tuned
+
+
+def scan_name(config: ScanConfig) -> str:
+    return f"pages={config.pages_per_iteration} warps={config.num_warps} stages={config.num_stages}" + (
+        "" if config.fused_merge else " separate merge"
+    )
+
+
+def attention_name(config: TritonDecodeConfig) -> str:
+    return (f"triton pages_per_split={config.pages_per_split} warps={config.num_warps} stages={config.num_stages}"
+            + ("" if config.fused_combine else " separate combine"))  # fmt: skip
+
+
+def tuned_layer(case: Case, results: list[dict[str, Any]], use_flashinfer: bool,
+                deadline: float) -> dict[str, Any] | None:  # fmt: skip
+    """The layer with each sweep's fastest choice, timed against the dense peer again."""
+    if time.monotonic() > deadline + 20:
+        return None
+
+    def fastest(part: str, default: str) -> str:
+        timed = [r for r in results if r["part"] == part and "us" in r]
+        return min(timed, key=lambda r: r["us"])["variant"] if timed else default
+
+    defaults = DecodeTuning()
+    programs = next((n for n in SCAN_PROGRAMS_PER_SM if fastest("index", "").startswith(f"programs_per_sm={n} ")),
+                    defaults.scan_programs_per_sm)  # fmt: skip
+    scan = next((c for c in SCAN_CONFIGS if scan_name(c) == fastest("index", "")), defaults.scan)
+    attention = fastest("attention", attention_name(defaults.triton_attention))
+    triton_config = next((c for c in ATTENTION_CONFIGS if attention_name(c) == attention), defaults.triton_attention)
+    layer_times = {r["variant"]: r["us"] for r in results if r["part"] == "layer" and "us" in r}
+    fused_store = layer_times.get("separate store", math.inf) >= min(layer_times.values(), default=math.inf)
+    tuning = DecodeTuning(scan=scan, scan_programs_per_sm=programs,
+                          attention="flashinfer" if attention == "flashinfer" else "triton",
+                          triton_attention=triton_config, fused_store=fused_store)  # fmt: skip
+    entry: dict[str, Any] = {"context": case.context, "batch": case.batch, "scan_programs_per_sm": programs,
+                             "scan": scan_name(scan), "attention": attention, "fused_store": fused_store}  # fmt: skip
+    try:
+        entry["total_us"] = time_layer(case, tuning, use_flashinfer).us
+        entry["dense_us"] = time_dense(case, use_flashinfer).us
+        entry["speedup"] = entry["dense_us"] / entry["total_us"]
+        entry["total_fp8_us"] = time_layer(case, tuning, use_flashinfer, fp8=True).us
+        entry["speedup_fp8"] = entry["dense_us"] / entry["total_fp8_us"]
+    except Exception as exc:
+        logger.exception("tuned layer failed")
+        entry["error"] = f"{type(exc).__name__}: {exc}"[:300]
+    logger.info("tuned %s", entry)
+    return entry
 
 
 def main() -> int:
@@ -289,70 +440,78 @@ def main() -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     if args.table is not None:
         payload = json.loads(args.table.read_text())
-        print_tables(payload["rows"], payload.get("scan_sweep", []))
+        print_tables(payload["rows"], payload.get("decode_sweep", []), payload.get("tuned", []))
         return 0
     rows: list[dict[str, Any]] = []
     sweeps: list[dict[str, Any]] = []
-    extra: dict[str, Any] = {"shape": M3.__dict__, "scan_config": ScanConfig().__dict__, "scan_sweep": sweeps}
+    tuned: list[dict[str, Any]] = []
+    defaults = DecodeTuning()
+    extra: dict[str, Any] = {"shape": M3.__dict__, "decode_tuning": dataclasses.asdict(defaults),
+                             "decode_sweep": sweeps, "tuned": tuned}  # fmt: skip
+
+    def save() -> None:
+        write_results("msa_decode", sorted(rows, key=lambda r: (r["context"], r["batch"])), extra, args.out)
+
     if not torch.cuda.is_available():
-        write_results("msa_decode", [{"error": "no CUDA device"}], extra, args.out)
+        rows.append({"context": 0, "batch": 0, "error": "no CUDA device"})
+        save()
         return 1
     device = torch.device("cuda")
     use_flashinfer = flashinfer_available(device)
     extra["flashinfer"] = use_flashinfer
     contexts = [int(c) for c in args.contexts.split(",")]
     batches = [int(b) for b in args.batches.split(",")]
-    # Most telling cases first, so a time-out still leaves them measured.
-    cases = sorted(((c, b) for c in contexts for b in batches), key=lambda cb: (cb[1] > 8, -cb[0], cb[1]))
+    wanted = [(c, b) for c in contexts for b in batches]
+    swept = [] if args.no_sweep else [cb for cb in SWEEP_CASES if cb in wanted]
+    # The swept cases first (row, sweep, tuned row while their caches exist), then the other rows.
+    order = [cb for cb in SWEEP_CASES if cb in wanted] + sorted(
+        (cb for cb in wanted if cb not in SWEEP_CASES), key=lambda cb: (cb[1] > 8, -cb[0], cb[1])
+    )
     started = time.monotonic()
     generator = torch.Generator(device=device).manual_seed(0)
-    for context, batch in cases:
+    for context, batch in order:
         row: dict[str, Any] = {"context": context, "batch": batch}
-        if time.monotonic() - started > ROWS_BUDGET_S:
+        if time.monotonic() - started > TIME_BUDGET_S:
             rows.append({**row, "skipped": "time budget"})
             continue
+        case: Case | str | None = None
         try:
             case = build_case(context, batch, device, generator)
             row = {**row, "skipped": case} if isinstance(case, str) else measure(case, use_flashinfer)
         except Exception as exc:
             logger.exception("case context=%d batch=%d failed", context, batch)
             row["error"] = f"{type(exc).__name__}: {exc}"[:500]
-        finally:
-            case = None
-            torch.cuda.empty_cache()
         rows.append(row)
         logger.info("%s", row)
-        write_results("msa_decode", sorted(rows, key=lambda r: (r["context"], r["batch"])), extra, args.out)
-    # Then the scan sweeps, with whatever time is left.
-    for context, batch in [] if args.no_sweep else sorted(SWEEP_CASES, reverse=True):
-        try:
-            case = build_case(context, batch, device, generator)
-            if not isinstance(case, str):
-                sweeps.extend(sweep(case, started + TIME_BUDGET_S))
-        except Exception as exc:
-            logger.exception("sweep context=%d batch=%d failed", context, batch)
-            sweeps.append({"context": context, "batch": batch, "error": f"{type(exc).__name__}: {exc}"[:500]})
-        finally:
-            case = None
-            torch.cuda.empty_cache()
-        write_results("msa_decode", sorted(rows, key=lambda r: (r["context"], r["batch"])), extra, args.out)
-    rows.sort(key=lambda r: (r["context"], r["batch"]))
-    write_results("msa_decode", rows, extra, args.out)
-    print_tables(rows, sweeps)
+        save()
+        if (context, batch) in swept and isinstance(case, Case):
+            deadline = min(time.monotonic() + SWEEP_BUDGET_S, started + TIME_BUDGET_S)
+            try:
+                results, best = sweep(case, use_flashinfer, deadline)
+                sweeps.extend(results)
+                tuned.extend([best] if best is not None else [])
+            except Exception as exc:
+                logger.exception("sweep context=%d batch=%d failed", context, batch)
+                sweeps.append({"context": context, "batch": batch, "error": f"{type(exc).__name__}: {exc}"[:500]})
+            save()
+        case = None
+        torch.cuda.empty_cache()
+    save()
+    print_tables(rows, sweeps, tuned)
     return 0
 
 
-def print_tables(rows: list[dict[str, Any]], sweeps: list[dict[str, Any]]) -> None:
-    """The results table (and the sweep, fastest first per case), last: the GPU run's reply shows the tail."""
-    tables = [markdown_table(rows, COLUMNS)]
-
-    def fastest_first(entry: dict[str, Any]) -> tuple:
-        return entry["context"], entry["batch"], entry["index_dtype"], entry["index_us"]
-
-    best = sorted((s for s in sweeps if "index_us" in s), key=fastest_first)
-    if best:
-        tables.append(markdown_table(best, ["context", "batch", "index_dtype", "pages_per_iteration", "num_warps",
-                                            "num_stages", "scan_splits", "index_us", "index_scan_tbps"]))  # fmt: skip
+def print_tables(rows: list[dict[str, Any]], sweeps: list[dict[str, Any]], tuned: list[dict[str, Any]]) -> None:
+    """The sweep (fastest first per case and part), the tuned rows, then the results table, last: the GPU
+    run's reply shows the tail."""
+    tables = []
+    timed = sorted((s for s in sweeps if "us" in s), key=lambda s: (s["context"], s["batch"], s["part"], s["us"]))
+    failed = [s for s in sweeps if "us" not in s]
+    if timed or failed:
+        tables.append(markdown_table(timed + failed, SWEEP_COLUMNS))
+    if tuned:
+        tables.append(markdown_table(sorted(tuned, key=lambda r: (r["context"], r["batch"])), TUNED_COLUMNS))
+    tables.append(markdown_table(sorted(rows, key=lambda r: (r["context"], r["batch"])), COLUMNS))
     sys.stdout.write("\n\n".join(tables) + "\n")
 
 

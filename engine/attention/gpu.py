@@ -7,7 +7,8 @@ per layer, the new keys go into the paged cache (``msa.store``) and then:
   HND, page = block), or the Triton split-K kernel of ``msa.paged_attention`` without FlashInfer;
 * MSA layers, decode-like steps (at most ``MAX_DECODE_COLUMNS / Hkv`` new tokens per request): the
   decode indexer (``msa.decode_index``) writes each row's selected pages straight into the page
-  list FlashInfer (or the Triton fallback) reads (``msa.decode_attention``);
+  list the Triton kernel (or FlashInfer) reads (``msa.decode_attention``); in pure-decode steps the
+  indexer also stores the new keys.  ``msa.decode_tuning`` holds these choices;
 * MSA layers, prefill steps: the prefill indexer and KV-block-major sparse prefill
   (``msa.prefill_index``, ``msa.prefill_attention``).
 
@@ -36,8 +37,9 @@ from m3stack.engine.msa.decode_attention import (
     flashinfer_available,
     sparse_decode_attention,
 )
-from m3stack.engine.msa.decode_index import MAX_DECODE_COLUMNS, ScanConfig, decode_index_topk
+from m3stack.engine.msa.decode_index import MAX_DECODE_COLUMNS, NewKeys, decode_index_topk
 from m3stack.engine.msa.decode_plan import DecodePlanBuffers, SparseDecodePlan, SparseDecodeShape, plan_sparse_decode
+from m3stack.engine.msa.decode_tuning import DecodeTuning
 from m3stack.engine.msa.launch import use_triton
 from m3stack.engine.msa.paged_attention import PageRows, paged_attention
 from m3stack.engine.msa.prefill_attention import sparse_prefill
@@ -84,9 +86,10 @@ class GpuAttentionBackend:
     ``topk_blocks`` / ``local_blocks`` are the model's MSA settings.  ``num_q_heads`` lets
     ``begin_step`` plan everything up front, as CUDA graphs need (without it the plan is made at
     the step's first layer, which must then run eagerly).  ``use_flashinfer`` defaults to "when
-    installed and the cache is float16/bfloat16".  Pure-decode steps plan into buffers kept per
-    batch size, and every launch size follows the page table's width, so graphs captured per batch
-    size replay over later steps.
+    installed and the cache is float16/bfloat16" (dense layers; MSA decode attention follows
+    ``decode_tuning.attention``).  Pure-decode steps plan into buffers kept per batch size, and every
+    launch size follows the page table's width, so graphs captured per batch size replay over later
+    steps.
     """
 
     @property
@@ -102,7 +105,7 @@ class GpuAttentionBackend:
         local_blocks: int,
         num_q_heads: int | None = None,
         use_flashinfer: bool | None = None,
-        scan_config: ScanConfig | None = None,
+        decode_tuning: DecodeTuning | None = None,
         offload: "DeviceOffload | None" = None,
     ) -> None:
         if not kv_caches:
@@ -116,7 +119,7 @@ class GpuAttentionBackend:
         self.topk_blocks = topk_blocks
         self.local_blocks = local_blocks
         self.num_q_heads = num_q_heads
-        self.scan_config = scan_config or ScanConfig()
+        self.decode_tuning = decode_tuning or DecodeTuning()
         self.offload = offload
         self._index_head_dim = sparse_layer.index_key.shape[2] if sparse_layer is not None else None
         # FlashInfer attends in half precision only; float32 caches take the Triton paths.
@@ -127,11 +130,13 @@ class GpuAttentionBackend:
         self._workspace: torch.Tensor | None = None
         self._fi_dense: FlashInferDense | None = None
         self._fi_sparse: FlashInferSparseDecode | None = None
+        self._sparse_decode_flashinfer = self.use_flashinfer and self.decode_tuning.attention == "flashinfer"
         if self.use_flashinfer:
             # One split-K workspace for every wrapper: their runs follow each other on one stream.
             self._workspace = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=self.device)
             self._fi_dense = FlashInferDense(self._workspace)
-            self._fi_sparse = FlashInferSparseDecode(self.device, self._workspace)
+            if self._sparse_decode_flashinfer:
+                self._fi_sparse = FlashInferSparseDecode(self.device, self._workspace)
         self._decode_slots: OrderedDict[int, _DecodeSlot] = OrderedDict()
         self._metadata: AttentionMetadata | None = None
         self._step: _StepPlan | None = None
@@ -167,7 +172,7 @@ class GpuAttentionBackend:
                 plan_buffers=buffers,
                 dense_flashinfer=FlashInferDense(self._workspace, num_requests) if self.use_flashinfer else None,
                 sparse_flashinfer=(FlashInferSparseDecode(self.device, self._workspace, buffers)
-                                   if self.use_flashinfer and buffers is not None else None),
+                                   if self._sparse_decode_flashinfer and buffers is not None else None),
             )  # fmt: skip
             self._decode_slots[num_requests] = slot
             # Eager decode of ever new batch sizes must not grow without bound (each slot holds
@@ -201,13 +206,14 @@ class GpuAttentionBackend:
         decode = None
         offload_prefill = self.offload is not None and self.offload.needs_prefill_path()
         if shape is not None and metadata.max_query_len * num_kv_heads <= MAX_DECODE_COLUMNS and not offload_prefill:
-            decode = plan_sparse_decode(metadata, shape, self.device, buffers=buffers)
+            decode = plan_sparse_decode(metadata, shape, self.device, buffers=buffers,
+                                        scan_programs_per_sm=self.decode_tuning.scan_programs_per_sm)  # fmt: skip
             if sparse_fi is not None:
                 sparse_fi.plan(decode, key_cache.dtype, head_dim**-0.5)
         return _StepPlan(dense_rows, dense_fi, decode, sparse_fi, slot)
 
-    def _begin_layer(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                     index_k: torch.Tensor | None) -> tuple[AttentionMetadata, _StepPlan, LayerKVCache]:  # fmt: skip
+    def _begin_layer(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, index_k: torch.Tensor | None,
+                     store: bool = True) -> tuple[AttentionMetadata, _StepPlan, LayerKVCache]:  # fmt: skip
         metadata = self._metadata
         if metadata is None:
             raise RuntimeError("begin_step(metadata) must be called before the first layer")
@@ -218,7 +224,8 @@ class GpuAttentionBackend:
         if self._step.slot is not None and q.is_cuda and torch.cuda.is_current_stream_capturing():
             self._step.slot.captured = True
         cache = self.kv_caches[layer]
-        store_kv(cache, metadata.slot_mapping, k, v, index_k)
+        if store:
+            store_kv(cache, metadata.slot_mapping, k, v, index_k)
         return metadata, self._step, cache
 
     def dense(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -240,16 +247,23 @@ class GpuAttentionBackend:
     ) -> torch.Tensor:
         if self.kv_caches[layer].index_key is None:
             raise ValueError(f"layer {layer} has no index-key cache: the KV cache spec says it is not an MSA layer")
-        metadata, step, cache = self._begin_layer(layer, q, k, v, index_k)
+        tuning = self.decode_tuning
+        metadata, step, cache = self._begin_layer(layer, q, k, v, index_k, store=False)
+        # Pure decode: the new keys land in the local block, which the scan never reads, so it stores them.
+        scan_stores = step.decode is not None and metadata.is_pure_decode and tuning.fused_store
+        if not scan_stores:
+            store_kv(cache, metadata.slot_mapping, k, v, index_k)
         if q.shape[0] == 0:
             return torch.empty_like(q)
         scale = q.shape[-1] ** -0.5
         if step.decode is not None:
-            decode_index_topk(index_q, cache.index_key, metadata, step.decode, self.scan_config)
+            new_keys = NewKeys(cache, metadata.slot_mapping, k, v, index_k) if scan_stores else None
+            decode_index_topk(index_q, cache.index_key, metadata, step.decode, tuning.scan, new_keys)
             if self.offload is not None:
                 self.offload.resolve_decode(layer, step.decode, metadata)
             return sparse_decode_attention(q, cache.key, cache.value, step.decode, metadata.positions,
-                                           metadata.page_table, scale, step.sparse_flashinfer)  # fmt: skip
+                                           metadata.page_table, scale, step.sparse_flashinfer,
+                                           triton_config=tuning.triton_attention)  # fmt: skip
         selection = prefill_index_topk(index_q, cache.index_key, metadata, self.topk_blocks, self.local_blocks)
         if self.offload is not None:
             return self.offload.sparse_prefill(layer, q, selection, metadata, scale)

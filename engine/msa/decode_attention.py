@@ -8,12 +8,15 @@ makes the local page causal.  ``plan()`` runs once per step on the host from hos
 (``SparseDecodePlan``); the page ids are written on the device by the indexer, into the buffer
 the plan already points FlashInfer at, so every sparse layer of the step reuses the plan.
 
-Fallback (no FlashInfer: CPU interpretation, other GPUs): the Triton split-K kernel of
-``paged_attention`` over the same page lists.
+The Triton split-K kernel of ``paged_attention`` over the same page lists, with the splits of each
+row combined by the row's last program (one launch, no host planning), serves where FlashInfer is
+absent (CPU interpretation, other GPUs) and wherever it is faster: a decode row reads only 16 pages,
+so the layer's cost is latency, not bandwidth (bench/msa_decode.py times both).
 """
 
 import importlib.util
 import logging
+from dataclasses import dataclass
 
 import torch
 
@@ -24,6 +27,16 @@ logger = logging.getLogger(__name__)
 
 # FlashInfer's recommended split-K workspace.
 WORKSPACE_BYTES = 128 * 2**20
+
+
+@dataclass(frozen=True)
+class TritonDecodeConfig:
+    """Launch shape of the Triton sparse decode attention (bench/msa_decode.py sweeps these)."""
+
+    pages_per_split: int | None = None  # None: ~2 programs per SM over all rows' pages
+    num_warps: int = 4
+    num_stages: int | None = None  # None: Triton's default
+    fused_combine: bool = True  # combine each row's splits in its last program (else a second launch)
 
 
 def flashinfer_available(device: torch.device) -> bool:
@@ -135,11 +148,12 @@ def sparse_decode_attention(
     scale: float,
     flashinfer_decode: FlashInferSparseDecode | None = None,
     out: torch.Tensor | None = None,
+    triton_config: TritonDecodeConfig | None = None,
 ) -> torch.Tensor:
     """Attention of each new token over its selected pages: ``[T, Hq, D]`` in q's dtype.
 
     Call after ``decode_index_topk`` filled ``plan.page_ids`` for this layer.  With
-    ``flashinfer_decode`` (planned for this step) FlashInfer runs, otherwise the Triton fallback.
+    ``flashinfer_decode`` (planned for this step) FlashInfer runs, otherwise the Triton kernel.
     """
     check_sparse_decode_inputs(q, key_cache, value_cache, plan)
     out = check_out(out, q)
@@ -147,4 +161,9 @@ def sparse_decode_attention(
         if not out.is_contiguous():
             raise ValueError("FlashInfer writes a contiguous output")
         return flashinfer_decode.run(q, key_cache, value_cache, out)
-    return paged_attention(q, key_cache, value_cache, sparse_rows(plan, positions, page_table), scale, out=out)
+    config = triton_config or TritonDecodeConfig()
+    return paged_attention(
+        q, key_cache, value_cache, sparse_rows(plan, positions, page_table), scale,
+        pages_per_split=config.pages_per_split, num_warps=config.num_warps, num_stages=config.num_stages, out=out,
+        counters=plan.attention_counters if config.fused_combine else None,
+    )  # fmt: skip

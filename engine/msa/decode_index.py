@@ -1,21 +1,26 @@
-"""MSA decode index scoring + block top-k: two Triton kernels, no score tensor in memory.
+"""MSA decode index scoring + block top-k: one Triton launch, no score tensor in memory.
 
 Semantics are ``reference.index_block_topk`` (HF ``MiniMaxM3VLIndexer``), for every new token of a
 decode step (one or a few per request).  The cost is the k-index read: ``context x d x bytes`` per
-request and layer (1M tokens, bf16: 256 MiB, ~60 us on an H200), so the kernels are built to
-stream each request's index pages exactly once, at full bandwidth, and do everything else on the
-fly:
+request and layer (1M tokens, bf16: 256 MiB, ~60 us on an H200), so the kernel streams each
+request's index pages exactly once, at full bandwidth, and does everything else on the fly:
 
-1. ``_scan_kernel``, grid ``(splits, R)``: program ``(s, r)`` streams the ``s``-th slice of request
-   ``r``'s candidate pages (the pages before its last token's local blocks).  Per page it computes
+1. Scan, grid ``(splits, R)``: program ``(s, r)`` streams the ``s``-th slice of request ``r``'s
+   candidate pages (the pages before its last token's local blocks).  Per page it computes
    ``keys [B, d] @ q [d, N]`` on the tensor cores (keys as the MMA M dimension; the N columns are
    the request's (token, index head) pairs), reduces each column to the block max, and offers it to
-   a running top-K per column held in registers.  The K kept candidates per column go to a small
-   partial buffer ``[R, splits, N, KP]``.  The local block(s) are never read: they are always kept.
-2. ``_merge_kernel``, grid ``(T, Hidx)``: picks each row's best ``topk - local`` of the
-   ``splits x KP`` candidates, appends the local blocks, and writes the selection twice: logical
-   block ids ``[Hidx, T, topk]`` (head-major, ``-1`` padded, as in the reference) and the virtual page
-   ids the paged attention reads (``SparseDecodePlan.page_ids``, local page last).
+   a running top-K per column held in registers.  Each program leaves its K candidates per column
+   (a list) and their best one (the list's head) in small buffers.  The local block(s) are never
+   read: they are always kept.
+2. Merge, in the LAST scan program of each request to finish (a per-request atomic ticket counter,
+   reset by that program, so no extra launch and no memset): of the ``splits`` lists, only those
+   whose heads rank among the best ``topk - local`` heads can hold a selected block (any other
+   list's head already has that many better candidates above it), so the merge ranks the heads,
+   gathers those few lists and ranks their entries.  It appends the local blocks and writes the
+   selection twice: logical block ids ``[Hidx, T, topk]`` (head-major, ``-1`` padded, as in the
+   reference) and the virtual page ids the paged attention reads (``SparseDecodePlan.page_ids``,
+   local page last).  Steps with many columns per request (MTP) merge in a second launch instead,
+   one program per group of columns.
 
 Scores and block ids travel packed in one int64 (order-preserving float bits high, inverted id
 low), so "higher score, then lower block id" is a single integer comparison: ties go to the lower
@@ -23,6 +28,11 @@ block id exactly as in the reference, across splits as well as within one.
 
 The k-index may be fp8 (e4m3): half the scan's bytes; the keys are widened to the queries' type in
 registers, so the scores are exact products of the stored keys.
+
+With ``store`` (decode steps of one token per request), the scan's first program of each request
+also writes the step's new K, V and index key into the paged cache (``msa.store``): that token
+sits in the request's last block, which is local and so never scanned, and the attention that
+reads it is a later launch.  That saves the store's own launch.
 """
 
 from dataclasses import dataclass
@@ -32,7 +42,9 @@ import triton
 import triton.language as tl
 
 from m3stack.engine.attention.metadata import AttentionMetadata
+from m3stack.engine.kv_cache.tensors import LayerKVCache
 from m3stack.engine.msa.decode_plan import SparseDecodePlan
+from m3stack.engine.msa.store import check_store_inputs, store_launch_args, store_token
 
 
 @dataclass(frozen=True)
@@ -44,11 +56,19 @@ class ScanConfig:
     pages_per_iteration: int = 1
     num_warps: int = 4
     num_stages: int = 3
+    # Merge in the scan's last program per request (one launch) rather than in a second launch.
+    fused_merge: bool = True
 
 
 # Columns of the scan's MMA: at least 16 (tensor-core minimum); (tokens x index heads) beyond
 # this many per request go to the prefill path instead.
 MAX_DECODE_COLUMNS = 64
+# Int64 keys a merge program ranks at once (heads of all splits x its columns): 16 per thread at
+# 4 warps.  More columns than fit are merged in a second launch.
+_MERGE_TILE = 2048
+_MERGE_WARPS = 4
+# Below every packed key, real or empty.
+_FLOOR = -(2**63)
 
 
 @triton.jit
@@ -67,23 +87,115 @@ def _unpack_block(packed):
 
 @triton.jit
 def _empty_slot(shape_0: tl.constexpr, KP: tl.constexpr):
-    """Distinct keys below every real candidate (a -inf score), one per top-K slot."""
+    """Distinct keys below every real candidate (a -inf score), one per top-K slot; their block ids
+    (``0x7FFFFFFF - slot``) lie past every real block."""
     ninf = tl.full([shape_0, KP], float("-inf"), tl.float32)
     return _pack(ninf, 0x7FFFFFFF - tl.arange(0, KP)[None, :])
 
 
 @triton.jit
-def _scan_kernel(
-    q_ptr, key_ptr, page_table_ptr, query_start_ptr, seq_lens_ptr, partial_ptr,
-    stride_qt, stride_qh, stride_kp, stride_kb, stride_pt, num_splits,
-    HIDX: tl.constexpr, D: tl.constexpr, B: tl.constexpr, N: tl.constexpr, KP: tl.constexpr,
-    LOCAL: tl.constexpr, PAGES: tl.constexpr, INPUT_PRECISION: tl.constexpr,
-):  # fmt: skip
-    split = tl.program_id(0)
-    request = tl.program_id(1)
+def _take_best(keys, PICKS: tl.constexpr, PICKS_P: tl.constexpr, FLOOR: tl.constexpr):
+    """The ``PICKS`` largest distinct keys of each row of ``keys`` ``[C, M]``, best first: ``[C, PICKS_P]``
+    (FLOOR past the picks, or where a row runs out).  A pick removes every copy of its key."""
+    out = tl.arange(0, PICKS_P)[None, :]
+    picked = tl.full([keys.shape[0], PICKS_P], FLOOR, tl.int64)
+    for j in tl.static_range(PICKS):
+        best = tl.max(keys, axis=1)
+        picked = tl.where(out == j, best[:, None], picked)
+        keys = tl.where(keys == best[:, None], FLOOR, keys)
+    return picked
+
+
+@triton.jit
+def _request_span(query_start_ptr, seq_lens_ptr, request, num_splits, B: tl.constexpr, LOCAL: tl.constexpr):
+    """A request's new tokens, context and scan slices: candidate blocks are those before the last
+    token's local blocks, ``per_split`` of them to a scan program."""
     q_start = tl.load(query_start_ptr + request)
     q_len = tl.load(query_start_ptr + request + 1) - q_start
     seq_len = tl.load(seq_lens_ptr + request)
+    last_block = (seq_len - 1) // B
+    num_candidates = last_block + 1 - tl.minimum(last_block + 1, LOCAL)
+    per_split = (num_candidates + num_splits - 1) // num_splits
+    return q_start, q_len, seq_len, num_candidates, per_split
+
+
+@triton.jit
+def _merge_columns(
+    list_ptr, head_ptr, page_row, row_indptr_ptr, selected_ptr, page_ids_ptr,
+    request, q_start, q_len, seq_len, per_split, num_splits, num_tokens, col_lo,
+    HIDX: tl.constexpr, B: tl.constexpr, CS: tl.constexpr, CPB: tl.constexpr, KP: tl.constexpr,
+    SP: tl.constexpr, TOPK: tl.constexpr, TOPK_P: tl.constexpr, KR: tl.constexpr, KR_P: tl.constexpr,
+    LOCAL: tl.constexpr, FLOOR: tl.constexpr,
+):  # fmt: skip
+    """Final selection of columns ``col_lo .. col_lo + CPB - 1`` of ``request`` from the scan's lists.
+
+    Lists ``[R, splits, CS, KP]`` and heads ``[R, splits, CS]`` were written by other programs of
+    this launch (or an earlier one): they are read from L2 (``.cg``), never from a stale L1 line.
+    """
+    cols = col_lo + tl.arange(0, CPB)
+    split_ids = tl.arange(0, SP)[None, :]
+    first = request.to(tl.int64) * num_splits
+    heads = tl.load(head_ptr + (first + split_ids) * CS + cols[:, None], mask=split_ids < num_splits, other=FLOOR,
+                    cache_modifier=".cg")  # fmt: skip
+    # Only lists whose head ranks among the best KR heads can hold a selected block.
+    best_heads = _take_best(heads, KR, KR_P, FLOOR)  # [CPB, KR_P]
+    owner = _unpack_block(best_heads) // tl.maximum(per_split, 1)  # empty / FLOOR heads: past every split
+    owned = owner < num_splits
+    slots = tl.arange(0, KP)[None, None, :]
+    lists = tl.load(
+        list_ptr + ((first + owner[:, :, None]) * CS + cols[:, None, None]) * KP + slots,
+        mask=owned[:, :, None], other=FLOOR, cache_modifier=".cg",
+    )  # [CPB, KR_P, KP]  # fmt: skip
+    picked = _take_best(tl.reshape(lists, [CPB, KR_P * KP]), KR, TOPK_P, FLOOR)  # [CPB, TOPK_P]
+
+    # Column c is (token c // HIDX of the request, index head c % HIDX).
+    token_in_request = cols // HIDX
+    head = cols % HIDX
+    col_ok = token_in_request < q_len
+    token = q_start + token_in_request
+    q_block = (seq_len - q_len + token_in_request) // B
+    num_local = tl.minimum(q_block + 1, LOCAL)
+    first_local = q_block + 1 - num_local
+    num_ranked = tl.minimum(TOPK - num_local, first_local)  # at most KR
+    out = tl.arange(0, TOPK_P)[None, :]
+    is_ranked = out < num_ranked[:, None]
+    is_local = (out >= num_ranked[:, None]) & (out < (num_ranked + num_local)[:, None])
+    block = tl.where(is_ranked, _unpack_block(picked),
+                     tl.where(is_local, first_local[:, None] + out - num_ranked[:, None], -1))  # fmt: skip
+    keep = col_ok[:, None] & (out < TOPK)
+    tl.store(selected_ptr + (head * num_tokens + token)[:, None].to(tl.int64) * TOPK + out, block, mask=keep)
+    valid = keep & (block >= 0)
+    page = tl.load(page_row + block, mask=valid, other=0)
+    row_start = tl.load(row_indptr_ptr + token * HIDX + head, mask=col_ok, other=0)
+    tl.store(page_ids_ptr + row_start[:, None] + out, page * HIDX + head[:, None], mask=valid)
+
+
+@triton.jit
+def _scan_kernel(
+    q_ptr, key_ptr, page_table_ptr, query_start_ptr, seq_lens_ptr, list_ptr, head_ptr, counter_ptr,
+    row_indptr_ptr, selected_ptr, page_ids_ptr,
+    stride_qt, stride_qh, stride_kp, stride_kb, stride_pt, num_splits, num_tokens,
+    # msa.store.store_token's arguments (used with STORE only)
+    slot_ptr, k_ptr, v_ptr, ik_ptr, key_cache_ptr, value_cache_ptr, index_cache_ptr,
+    stride_kt, stride_kh, stride_vt, stride_vh, stride_ikt, stride_cp, stride_ch, stride_cb, stride_ip, stride_ib,
+    HIDX: tl.constexpr, D: tl.constexpr, B: tl.constexpr, N: tl.constexpr, CS: tl.constexpr, KP: tl.constexpr,
+    SP: tl.constexpr, TOPK: tl.constexpr, TOPK_P: tl.constexpr, KR: tl.constexpr, KR_P: tl.constexpr,
+    LOCAL: tl.constexpr, PAGES: tl.constexpr, INPUT_PRECISION: tl.constexpr, MERGE: tl.constexpr,
+    FLOOR: tl.constexpr, STORE: tl.constexpr, ST_HKV: tl.constexpr, ST_HKV_P: tl.constexpr, ST_D: tl.constexpr,
+    ST_D_P: tl.constexpr, ST_DI: tl.constexpr, ST_DI_P: tl.constexpr, ST_HAS_INDEX: tl.constexpr,
+):  # fmt: skip
+    split = tl.program_id(0)
+    request = tl.program_id(1)
+    q_start, q_len, seq_len, num_candidates, per_split = _request_span(query_start_ptr, seq_lens_ptr, request,
+                                                                       num_splits, B, LOCAL)  # fmt: skip
+    if STORE:  # noqa: SIM102 (a constexpr branch on its own: compiled out without STORE)
+        if split == 0:
+            # The request's one new token (the host checks) lands in its last block: local, never scanned.
+            store_token(
+                q_start, slot_ptr, k_ptr, v_ptr, ik_ptr, key_cache_ptr, value_cache_ptr, index_cache_ptr,
+                stride_kt, stride_kh, stride_vt, stride_vh, stride_ikt, stride_cp, stride_ch, stride_cb, stride_ip,
+                stride_ib, ST_HKV, ST_HKV_P, ST_D, ST_D_P, ST_DI, ST_DI_P, B, ST_HAS_INDEX,
+            )  # fmt: skip
 
     # Column n is (token n // HIDX of the request, index head n % HIDX).
     cols = tl.arange(0, N)
@@ -91,9 +203,6 @@ def _scan_kernel(
     col_ok = token < q_len
     q_block = (seq_len - q_len + token) // B
     first_local = q_block + 1 - tl.minimum(q_block + 1, LOCAL)  # column's candidates: blocks < this
-    last_block = (seq_len - 1) // B
-    num_candidates = last_block + 1 - tl.minimum(last_block + 1, LOCAL)
-    per_split = (num_candidates + num_splits - 1) // num_splits
     block_lo = split * per_split
     block_hi = tl.minimum(block_lo + per_split, num_candidates)
 
@@ -131,50 +240,43 @@ def _scan_kernel(
             worst = tl.min(top, axis=1)
             take = (candidate > worst) & (block < first_local) & (block < block_hi)
             top = tl.where((top == worst[:, None]) & take[:, None], candidate[:, None], top)
+    # This program's list and head per stored column.
     slots = tl.arange(0, KP)
-    out = partial_ptr + ((request * num_splits + split) * N).to(tl.int64) * KP
-    tl.store(out + cols[:, None] * KP + slots[None, :], top)
+    mine = (request * num_splits + split).to(tl.int64) * CS
+    tl.store(list_ptr + (mine + cols[:, None]) * KP + slots[None, :], top, mask=cols[:, None] < CS)
+    tl.store(head_ptr + mine + cols, tl.max(top, axis=1), mask=cols < CS)
+    if MERGE:
+        # Every thread's list stores are issued before the ticket; acq_rel makes them visible to the
+        # program that draws the last ticket, and every other program's to it.
+        tl.debug_barrier()
+        ticket = tl.atomic_add(counter_ptr + request, 1, sem="acq_rel", scope="gpu")
+        if ticket == num_splits - 1:
+            tl.store(counter_ptr + request, 0)  # the request's other programs are done: ready for the next launch
+            _merge_columns(
+                list_ptr, head_ptr, page_row, row_indptr_ptr, selected_ptr, page_ids_ptr,
+                request, q_start, q_len, seq_len, per_split, num_splits, num_tokens, 0,
+                HIDX, B, CS, CS, KP, SP, TOPK, TOPK_P, KR, KR_P, LOCAL, FLOOR,
+            )  # fmt: skip
 
 
 @triton.jit
 def _merge_kernel(
-    partial_ptr, token_request_ptr, query_start_ptr, positions_ptr, page_table_ptr, row_indptr_ptr,
-    selected_ptr, page_ids_ptr, num_tokens, num_splits, stride_pt,
-    HIDX: tl.constexpr, B: tl.constexpr, N: tl.constexpr, KP: tl.constexpr, SP: tl.constexpr,
-    TOPK: tl.constexpr, TOPK_P: tl.constexpr, LOCAL: tl.constexpr,
+    list_ptr, head_ptr, page_table_ptr, query_start_ptr, seq_lens_ptr, row_indptr_ptr, selected_ptr, page_ids_ptr,
+    stride_pt, num_splits, num_tokens,
+    HIDX: tl.constexpr, B: tl.constexpr, CS: tl.constexpr, CPB: tl.constexpr, KP: tl.constexpr, SP: tl.constexpr,
+    TOPK: tl.constexpr, TOPK_P: tl.constexpr, KR: tl.constexpr, KR_P: tl.constexpr, LOCAL: tl.constexpr,
+    FLOOR: tl.constexpr,
 ):  # fmt: skip
-    token = tl.program_id(0)
-    head = tl.program_id(1)
-    request = tl.load(token_request_ptr + token)
-    col = (token - tl.load(query_start_ptr + request)) * HIDX + head
-    position = tl.load(positions_ptr + token)
-    q_block = (position // B).to(tl.int32)
-    num_local = tl.minimum(q_block + 1, LOCAL)
-    first_local = q_block + 1 - num_local
-    num_ranked = tl.minimum(TOPK - num_local, first_local)
-
-    splits = tl.arange(0, SP)[:, None]
-    slots = tl.arange(0, KP)[None, :]
-    base = partial_ptr + (request * num_splits).to(tl.int64) * N * KP + col * KP
-    floor = _empty_slot(SP, KP)
-    cand = tl.load(base + splits * (N * KP) + slots, mask=splits < num_splits, other=floor)
-    # Take the best remaining candidate TOPK - 1 times (at most that many are ranked); every pick
-    # is unique, so removing it by value removes exactly one entry.
-    out = tl.arange(0, TOPK_P)
-    picked = tl.full([TOPK_P], -1, tl.int32)
-    for j in tl.static_range(TOPK - 1):
-        best = tl.max(tl.max(cand, axis=1), axis=0)
-        picked = tl.where(out == j, _unpack_block(best), picked)
-        cand = tl.where(cand == best, floor, cand)
-    is_ranked = out < num_ranked
-    is_local = (out >= num_ranked) & (out < num_ranked + num_local)
-    block = tl.where(is_ranked, picked, tl.where(is_local, first_local + out - num_ranked, -1))
-    tl.store(selected_ptr + (head * num_tokens + token).to(tl.int64) * TOPK + out, block, mask=out < TOPK)
-
-    valid = block >= 0
-    page = tl.load(page_table_ptr + request.to(tl.int64) * stride_pt + block, mask=valid, other=0)
-    row_start = tl.load(row_indptr_ptr + token * HIDX + head)
-    tl.store(page_ids_ptr + row_start + out, page * HIDX + head, mask=valid)
+    """The merge as its own launch, grid ``(R, CS / CPB)``: one program per group of CPB columns."""
+    request = tl.program_id(0)
+    q_start, q_len, seq_len, _, per_split = _request_span(query_start_ptr, seq_lens_ptr, request, num_splits, B,
+                                                          LOCAL)  # fmt: skip
+    page_row = page_table_ptr + request.to(tl.int64) * stride_pt
+    _merge_columns(
+        list_ptr, head_ptr, page_row, row_indptr_ptr, selected_ptr, page_ids_ptr,
+        request, q_start, q_len, seq_len, per_split, num_splits, num_tokens, tl.program_id(1) * CPB,
+        HIDX, B, CS, CPB, KP, SP, TOPK, TOPK_P, KR, KR_P, LOCAL, FLOOR,
+    )  # fmt: skip
 
 
 def check_decode_inputs(index_q: torch.Tensor, index_key_cache: torch.Tensor, metadata: AttentionMetadata,
@@ -204,53 +306,132 @@ def check_decode_inputs(index_q: torch.Tensor, index_key_cache: torch.Tensor, me
         raise ValueError(f"index_head_dim must be a power of two >= 16, got {shape.index_head_dim}")
 
 
+@dataclass(frozen=True)
+class NewKeys:
+    """A decode step's new keys, for the scan to store into ``cache`` (``msa.store.store_kv``'s inputs)."""
+
+    cache: LayerKVCache
+    slot_mapping: torch.Tensor  # [T]
+    k: torch.Tensor  # [T, Hkv, D]
+    v: torch.Tensor  # [T, Hkv, D]
+    index_k: torch.Tensor  # [T, d]
+
+
+@dataclass(frozen=True)
+class _MergeShape:
+    """Host-side sizes of the lists and of the merge (constexprs of both kernels)."""
+
+    columns_stored: int  # CS: (tokens x index heads) per request, padded to a power of two
+    list_slots: int  # KP
+    splits_padded: int  # SP
+    columns_per_program: int  # CPB
+
+    @property
+    def fits_one_program(self) -> bool:
+        return self.columns_per_program == self.columns_stored
+
+
+def _merge_shape(plan: SparseDecodePlan) -> _MergeShape:
+    shape = plan.shape
+    columns = triton.next_power_of_2(max(shape.num_kv_heads * plan.max_query_len, 1))
+    splits_padded = triton.next_power_of_2(plan.scan_splits)
+    per_program = max(1, min(columns, _MERGE_TILE // splits_padded))
+    return _MergeShape(columns, triton.next_power_of_2(max(shape.topk - shape.local_blocks, 1)), splits_padded,
+                       per_program)  # fmt: skip
+
+
+def _merge_constexprs(plan: SparseDecodePlan, merge: _MergeShape) -> dict[str, int]:
+    shape = plan.shape
+    ranked = max(shape.topk - shape.local_blocks, 1)
+    return dict(
+        HIDX=shape.num_kv_heads, B=shape.block_size, CS=merge.columns_stored, KP=merge.list_slots,
+        SP=merge.splits_padded, TOPK=shape.topk, TOPK_P=triton.next_power_of_2(shape.topk), KR=ranked,
+        KR_P=triton.next_power_of_2(ranked), LOCAL=shape.local_blocks, FLOOR=_FLOOR,
+    )  # fmt: skip
+
+
+def _store_arguments(new_keys: NewKeys | None, index_q: torch.Tensor, plan: SparseDecodePlan,
+                     metadata: AttentionMetadata) -> tuple[tuple, dict[str, int | bool]]:  # fmt: skip
+    """The scan's store arguments: the real ones with ``new_keys``, else placeholders it never reads."""
+    if new_keys is None:
+        return (index_q,) * 7 + (0,) * 10, dict(ST_HKV=1, ST_HKV_P=1, ST_D=1, ST_D_P=1, ST_DI=1, ST_DI_P=1,
+                                                  ST_HAS_INDEX=False)  # fmt: skip
+    if not metadata.is_pure_decode:
+        raise ValueError("the scan stores new keys only for decode steps of one token per request")
+    check_store_inputs(new_keys.cache, new_keys.slot_mapping, new_keys.k, new_keys.v, new_keys.index_k)
+    if new_keys.cache.index_key is None:
+        raise ValueError("the scan stores into an MSA layer's cache (with index keys)")
+    args, constexprs = store_launch_args(new_keys.cache, new_keys.slot_mapping, new_keys.k, new_keys.v,
+                                         new_keys.index_k)  # fmt: skip
+    if constexprs.pop("B") != plan.shape.block_size:
+        raise ValueError("the cache's page size differs from the plan's block size")
+    return args, {f"ST_{name}": value for name, value in constexprs.items()}
+
+
+@dataclass
+class IndexScan:
+    """What ``scan_index_pages`` launched: the per-split lists, and the selection if already merged."""
+
+    lists: torch.Tensor  # [R, splits, CS, KP] int64 packed candidates
+    heads: torch.Tensor  # [R, splits, CS] int64, each list's best
+    selected: torch.Tensor  # [Hidx, T, topk] int32, filled by the merge
+    merged: bool  # the scan's last programs merged (one launch)
+    merge: _MergeShape
+
+
 def scan_index_pages(
     index_q: torch.Tensor,
     index_key_cache: torch.Tensor,
     metadata: AttentionMetadata,
     plan: SparseDecodePlan,
     config: ScanConfig | None = None,
-) -> torch.Tensor:
-    """Step 1: every (request, split)'s best candidates, packed: ``[R, splits, N, KP]`` int64."""
+    new_keys: NewKeys | None = None,
+) -> IndexScan:
+    """Step 1 (and step 2 with ``config.fused_merge`` where the columns fit one program): the scan."""
     check_decode_inputs(index_q, index_key_cache, metadata, plan)
+    if new_keys is not None and new_keys.cache.index_key is not index_key_cache:
+        raise ValueError("new_keys.cache must be the cache whose index keys are scanned")
     config = config or ScanConfig()
     shape = plan.shape
-    num_heads, head_dim = index_q.shape[1:]
-    columns = max(16, triton.next_power_of_2(num_heads * plan.max_query_len))
-    slots = triton.next_power_of_2(max(shape.topk - 1, 1))
+    num_tokens, num_heads, head_dim = index_q.shape
+    store_args, store_constexprs = _store_arguments(new_keys, index_q, plan, metadata)
+    merge = _merge_shape(plan)
     splits = plan.scan_splits
-    partial = torch.empty((plan.num_requests, splits, columns, slots), dtype=torch.int64, device=index_q.device)
+    device = index_q.device
+    scan = IndexScan(
+        lists=torch.empty((plan.num_requests, splits, merge.columns_stored, merge.list_slots), dtype=torch.int64,
+                          device=device),
+        heads=torch.empty((plan.num_requests, splits, merge.columns_stored), dtype=torch.int64, device=device),
+        selected=torch.empty((num_heads, num_tokens, shape.topk), dtype=torch.int32, device=device),
+        merged=config.fused_merge and merge.fits_one_program,
+        merge=merge,
+    )  # fmt: skip
     if plan.num_requests == 0:
-        return partial
+        return scan
     _scan_kernel[(splits, plan.num_requests)](
-        index_q, index_key_cache, metadata.page_table, metadata.query_start_loc, metadata.seq_lens, partial,
+        index_q, index_key_cache, metadata.page_table, metadata.query_start_loc, metadata.seq_lens, scan.lists,
+        scan.heads, plan.scan_counters, plan.row_indptr, scan.selected, plan.page_ids,
         index_q.stride(0), index_q.stride(1), index_key_cache.stride(0), index_key_cache.stride(1),
-        metadata.page_table.stride(0), splits,
-        HIDX=num_heads, D=head_dim, B=shape.block_size, N=columns, KP=slots, LOCAL=shape.local_blocks,
+        metadata.page_table.stride(0), splits, num_tokens, *store_args,
+        D=head_dim, N=max(16, triton.next_power_of_2(num_heads * plan.max_query_len)),
         PAGES=config.pages_per_iteration, INPUT_PRECISION="ieee" if index_q.dtype == torch.float32 else "tf32",
+        MERGE=scan.merged, STORE=new_keys is not None, **_merge_constexprs(plan, merge), **store_constexprs,
         num_warps=config.num_warps, num_stages=config.num_stages,
     )  # fmt: skip
-    return partial
+    return scan
 
 
-def merge_selection(partial: torch.Tensor, metadata: AttentionMetadata, plan: SparseDecodePlan) -> torch.Tensor:
-    """Step 2: each row's final selection from ``scan_index_pages``' candidates; fills ``plan.page_ids``
-    and returns the logical block ids ``[Hidx, T, topk]`` int32."""
-    shape = plan.shape
-    num_tokens, num_heads = plan.num_tokens, shape.num_kv_heads
-    selected = torch.empty((num_heads, num_tokens, shape.topk), dtype=torch.int32, device=partial.device)
-    if num_tokens == 0:
-        return selected
-    _, splits, columns, slots = partial.shape
-    splits_padded = triton.next_power_of_2(splits)
-    _merge_kernel[(num_tokens, num_heads)](
-        partial, plan.token_request, metadata.query_start_loc, metadata.positions, metadata.page_table,
-        plan.row_indptr, selected, plan.page_ids, num_tokens, splits, metadata.page_table.stride(0),
-        HIDX=num_heads, B=shape.block_size, N=columns, KP=slots, SP=splits_padded,
-        TOPK=shape.topk, TOPK_P=triton.next_power_of_2(shape.topk), LOCAL=shape.local_blocks,
-        num_warps=4 if splits_padded * slots <= 4096 else 8,  # ~32 candidates (64 registers) per thread
+def merge_selection(scan: IndexScan, metadata: AttentionMetadata, plan: SparseDecodePlan) -> torch.Tensor:
+    """Step 2 unless the scan merged: fills ``plan.page_ids``; returns the block ids ``[Hidx, T, topk]``."""
+    if scan.merged or plan.num_requests == 0:
+        return scan.selected
+    merge = scan.merge
+    _merge_kernel[(plan.num_requests, merge.columns_stored // merge.columns_per_program)](
+        scan.lists, scan.heads, metadata.page_table, metadata.query_start_loc, metadata.seq_lens, plan.row_indptr,
+        scan.selected, plan.page_ids, metadata.page_table.stride(0), plan.scan_splits, plan.num_tokens,
+        CPB=merge.columns_per_program, **_merge_constexprs(plan, merge), num_warps=_MERGE_WARPS,
     )  # fmt: skip
-    return selected
+    return scan.selected
 
 
 def decode_index_topk(
@@ -259,12 +440,14 @@ def decode_index_topk(
     metadata: AttentionMetadata,
     plan: SparseDecodePlan,
     config: ScanConfig | None = None,
+    new_keys: NewKeys | None = None,
 ) -> torch.Tensor:
     """Select every new token's blocks and write their virtual page ids into ``plan.page_ids``.
 
     ``index_q`` ``[T, Hidx, d]``: the indexer queries after norm and RoPE (Hidx = Hkv);
-    ``index_key_cache`` ``[num_pages, B, d]`` already holds this step's index keys.  Returns the
-    logical block ids ``[Hidx, T, topk]`` int32 (layout of ``reference.index_block_topk``).
+    ``index_key_cache`` ``[num_pages, B, d]`` holds the context's index keys: this step's too, unless
+    ``new_keys`` (pure decode steps only) has the scan store them (and K and V) on the way.  Returns
+    the logical block ids ``[Hidx, T, topk]`` int32 (layout of ``reference.index_block_topk``).
     """
-    partial = scan_index_pages(index_q, index_key_cache, metadata, plan, config)
-    return merge_selection(partial, metadata, plan)
+    scan = scan_index_pages(index_q, index_key_cache, metadata, plan, config, new_keys)
+    return merge_selection(scan, metadata, plan)

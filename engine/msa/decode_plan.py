@@ -21,10 +21,10 @@ from m3stack.engine.msa.launch import multiprocessors
 
 # Index-scan programs per SM: the scan keeps ~70 KiB of shared memory, so three are resident per H200
 # SM; one full wave of them streams the k-index with no tail.
-_SCAN_PROGRAMS_PER_SM = 3
+SCAN_PROGRAMS_PER_SM = 3
 # Fewest index pages one scan program streams, so short contexts do not launch empty programs.
-_MIN_BLOCKS_PER_SPLIT = 8
-# Most splits of one request's index scan: the merge reads ``splits x 16`` candidates per row.
+_MIN_BLOCKS_PER_SPLIT = 4
+# Most splits of one request's index scan: the merge ranks one list head per split and column.
 MAX_SCAN_SPLITS = 512
 
 
@@ -65,6 +65,9 @@ class SparseDecodePlan:
     page_ids: torch.Tensor  # [T * Hkv * topk] int32, virtual page ids, written by the index kernel
     max_row_pages: int
     scan_splits: int  # index-scan programs per request
+    # Zeroed once; each kernel that counts finished programs with them leaves them zero again.
+    scan_counters: torch.Tensor  # [R] int32, the index scan's programs done per request
+    attention_counters: torch.Tensor  # [T * Hkv] int32, the Triton attention's splits done per row
 
     @property
     def num_rows(self) -> int:
@@ -81,10 +84,11 @@ def token_positions_cpu(metadata: AttentionMetadata) -> tuple[torch.Tensor, torc
     return request, positions
 
 
-def default_scan_splits(num_requests: int, max_candidate_blocks: int, device: torch.device) -> int:
-    """Programs per request for the index scan: one wave of resident programs over all SMs, never more
-    splits than the longest request has groups of ``_MIN_BLOCKS_PER_SPLIT`` candidate blocks."""
-    target = _SCAN_PROGRAMS_PER_SM * multiprocessors(device)
+def default_scan_splits(num_requests: int, max_candidate_blocks: int, device: torch.device,
+                        programs_per_sm: int = SCAN_PROGRAMS_PER_SM) -> int:  # fmt: skip
+    """Programs per request for the index scan: one wave of ``programs_per_sm`` programs over all SMs,
+    never more splits than the longest request has groups of ``_MIN_BLOCKS_PER_SPLIT`` candidate blocks."""
+    target = programs_per_sm * multiprocessors(device)
     by_occupancy = target // max(num_requests, 1)  # rounded down: a second, nearly empty wave would be a tail
     by_length = -(-max_candidate_blocks // _MIN_BLOCKS_PER_SPLIT)
     return max(1, min(by_occupancy, by_length, MAX_SCAN_SPLITS))
@@ -101,6 +105,8 @@ class DecodePlanBuffers:
         self.row_indptr = torch.zeros(rows + 1, dtype=torch.int32, device=device)
         self.last_page_len = torch.ones(rows, dtype=torch.int32, device=device)
         self.page_ids = torch.zeros(max(rows * shape.topk, 1), dtype=torch.int32, device=device)
+        self.scan_counters = torch.zeros(num_tokens, dtype=torch.int32, device=device)  # R <= T
+        self.attention_counters = torch.zeros(rows, dtype=torch.int32, device=device)
         # One pinned staging area, so the per-step copies are asynchronous; the event keeps the next
         # step from overwriting it before the previous copies have left.
         on_cuda = device.type == "cuda"
@@ -130,14 +136,15 @@ def plan_sparse_decode(
     device: torch.device,
     scan_splits: int | None = None,
     buffers: DecodePlanBuffers | None = None,
+    scan_programs_per_sm: int = SCAN_PROGRAMS_PER_SM,
 ) -> SparseDecodePlan:
     """Plan a decode step from host-known lengths.
 
     Launch sizes follow the page table's width (the longest context the step's buffers can hold),
     not the step's own lengths, so a CUDA graph captured over fixed-width buffers stays valid; an
     eager step's page table is exactly as wide as its longest request.  ``scan_splits`` overrides
-    the index scan's programs per request.  With ``buffers``, the plan's device tensors are those
-    buffers (filled here), otherwise fresh tensors.
+    the index scan's programs per request (else ``scan_programs_per_sm`` per SM over all requests).
+    With ``buffers``, the plan's device tensors are those buffers (filled here), otherwise fresh tensors.
     """
     if metadata.block_size != shape.block_size:
         raise ValueError(f"metadata.block_size {metadata.block_size} differs from the model's {shape.block_size}")
@@ -151,18 +158,24 @@ def plan_sparse_decode(
     width = metadata.page_table.shape[1]
     if scan_splits is None:
         # Candidate blocks are those before the local ones: at most width - local_blocks per request.
-        scan_splits = default_scan_splits(metadata.num_requests, max(0, width - shape.local_blocks), device)
+        scan_splits = default_scan_splits(metadata.num_requests, max(0, width - shape.local_blocks), device,
+                                          scan_programs_per_sm)  # fmt: skip
     if not 1 <= scan_splits <= MAX_SCAN_SPLITS:
         raise ValueError(f"scan_splits must be in [1, {MAX_SCAN_SPLITS}], got {scan_splits}")
     request = request.to(torch.int32)
     if buffers is not None:
         buffers.fill(request, row_indptr, last_page_len)
-        tensors = (buffers.token_request, buffers.row_indptr, buffers.last_page_len, buffers.page_ids)
+        tensors = (buffers.token_request, buffers.row_indptr, buffers.last_page_len, buffers.page_ids,
+                   buffers.scan_counters, buffers.attention_counters)  # fmt: skip
     else:
         page_ids = torch.empty(max(int(row_indptr[-1]), 1), dtype=torch.int32, device=device)
         moved = (t.to(device, non_blocking=True) for t in (request, row_indptr, last_page_len))
-        tensors = (*moved, page_ids)
-    token_request_dev, row_indptr_dev, last_page_len_dev, page_ids_dev = tensors
+        counters = (
+            torch.zeros(n, dtype=torch.int32, device=device)
+            for n in (metadata.num_requests, len(request) * shape.num_kv_heads)
+        )
+        tensors = (*moved, page_ids, *counters)
+    token_request_dev, row_indptr_dev, last_page_len_dev, page_ids_dev, scan_counters, attention_counters = tensors
     return SparseDecodePlan(
         shape=shape,
         num_requests=metadata.num_requests,
@@ -176,4 +189,6 @@ def plan_sparse_decode(
         page_ids=page_ids_dev,
         max_row_pages=min(shape.topk, width),
         scan_splits=scan_splits,
+        scan_counters=scan_counters,
+        attention_counters=attention_counters,
     )

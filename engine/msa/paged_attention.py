@@ -11,7 +11,9 @@ partial (``last_len`` keys); every other page is full.  Two ways to name the pag
   position % B + 1`` (causal attention over everything cached).
 
 Program ``(r, s)`` attends the ``s``-th slice of row ``r``'s pages with an online softmax; with
-several slices, each writes a partial output and log-sum-exp and ``_merge_kernel`` combines them.
+several slices, each writes a partial output and log-sum-exp, and either the last of the row's
+programs to finish combines them (``counters``: a per-row atomic ticket, reset by that program, so
+one launch) or ``_merge_kernel`` does in a second launch.
 """
 
 import math
@@ -48,11 +50,11 @@ class PageRows:
 @triton.jit
 def _attention_kernel(
     q_ptr, key_ptr, value_ptr, out_ptr, partial_o_ptr, partial_lse_ptr,
-    token_request_ptr, positions_ptr, page_table_ptr, row_indptr_ptr, page_ids_ptr, last_len_ptr,
+    token_request_ptr, positions_ptr, page_table_ptr, row_indptr_ptr, page_ids_ptr, last_len_ptr, counter_ptr,
     stride_qt, stride_qh, stride_ot, stride_oh, stride_kp, stride_kh, stride_kb, stride_pt,
     pages_per_split, num_splits, scale_log2,
     HKV: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, B: tl.constexpr,
-    DENSE: tl.constexpr, SPLIT: tl.constexpr, INPUT_PRECISION: tl.constexpr,
+    DENSE: tl.constexpr, SPLIT: tl.constexpr, COMBINE: tl.constexpr, INPUT_PRECISION: tl.constexpr,
 ):  # fmt: skip
     row = tl.program_id(0)
     split = tl.program_id(1)
@@ -106,6 +108,15 @@ def _attention_kernel(
         base = (row * num_splits + split).to(tl.int64) * GP
         tl.store(partial_o_ptr + (base + groups[:, None]) * D + dims[None, :], out)
         tl.store(partial_lse_ptr + base + groups, lse)
+        if COMBINE:
+            # Every thread's partial is stored before the ticket; acq_rel makes them visible to the
+            # program that draws the row's last ticket, and every other program's to it.
+            tl.debug_barrier()
+            ticket = tl.atomic_add(counter_ptr + row, 1, sem="acq_rel", scope="gpu")
+            if ticket == num_splits - 1:
+                tl.store(counter_ptr + row, 0)  # the row's other programs are done: ready for the next launch
+                _combine_row(out_ptr, partial_o_ptr, partial_lse_ptr, row, num_splits, stride_ot, stride_oh,
+                             HKV, G, GP, D)  # fmt: skip
     else:
         out = acc / l_i[:, None]
         tl.store(out_ptr + token.to(tl.int64) * stride_ot + q_heads[:, None] * stride_oh + dims[None, :],
@@ -113,11 +124,11 @@ def _attention_kernel(
 
 
 @triton.jit
-def _merge_kernel(
-    out_ptr, partial_o_ptr, partial_lse_ptr, stride_ot, stride_oh, num_splits,
+def _combine_row(
+    out_ptr, partial_o_ptr, partial_lse_ptr, row, num_splits, stride_ot, stride_oh,
     HKV: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr,
 ):  # fmt: skip
-    row = tl.program_id(0)
+    """Row ``row``'s output from its splits' partials (read from L2: other programs wrote them)."""
     token = row // HKV
     head = row % HKV
     groups = tl.arange(0, GP)
@@ -127,8 +138,8 @@ def _merge_kernel(
     acc = tl.full([GP, D], 0, tl.float32)
     for split in range(num_splits):
         base = (row * num_splits + split).to(tl.int64) * GP
-        lse = tl.load(partial_lse_ptr + base + groups)
-        o = tl.load(partial_o_ptr + (base + groups[:, None]) * D + dims[None, :])
+        lse = tl.load(partial_lse_ptr + base + groups, cache_modifier=".cg")
+        o = tl.load(partial_o_ptr + (base + groups[:, None]) * D + dims[None, :], cache_modifier=".cg")
         m_new = tl.maximum(m, lse)
         # Guard -inf - -inf while every slice so far was empty.
         alpha = tl.where(m_new == float("-inf"), 0.0, tl.exp2(m - m_new))
@@ -140,6 +151,15 @@ def _merge_kernel(
     q_heads = head * G + groups
     tl.store(out_ptr + token.to(tl.int64) * stride_ot + q_heads[:, None] * stride_oh + dims[None, :],
              out.to(out_ptr.dtype.element_ty), mask=(groups < G)[:, None])  # fmt: skip
+
+
+@triton.jit
+def _merge_kernel(
+    out_ptr, partial_o_ptr, partial_lse_ptr, stride_ot, stride_oh, num_splits,
+    HKV: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr,
+):  # fmt: skip
+    _combine_row(out_ptr, partial_o_ptr, partial_lse_ptr, tl.program_id(0), num_splits, stride_ot, stride_oh,
+                 HKV, G, GP, D)  # fmt: skip
 
 
 def check_paged_inputs(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor) -> None:
@@ -177,9 +197,12 @@ def paged_attention(
     pages_per_split: int | None = None,
     num_warps: int = 4,
     out: torch.Tensor | None = None,
+    counters: torch.Tensor | None = None,
+    num_stages: int | None = None,
 ) -> torch.Tensor:
     """Attention of ``q`` ``[T, Hq, D]`` over each row's pages of the HND caches; ``[T, Hq, D]`` in q's
-    dtype, written into ``out`` when given."""
+    dtype, written into ``out`` when given.  With ``counters`` (``[T * Hkv]`` int32, zero, left zero),
+    split rows are combined inside the same launch."""
     check_paged_inputs(q, key_cache, value_cache)
     out = check_out(out, q)
     num_tokens, num_q_heads, head_dim = q.shape
@@ -203,18 +226,22 @@ def paged_attention(
     row_indptr = rows.page_table if dense else rows.row_indptr  # placeholders keep one signature
     page_ids = rows.page_table if dense else rows.page_ids
     last_len = rows.page_table if dense else rows.last_len
+    combine = split and counters is not None
+    if combine and (counters.numel() < num_rows or counters.dtype != torch.int32):
+        raise ValueError(f"counters must be int32 with at least {num_rows} entries")
     shapes = dict(HKV=num_kv_heads, G=group, GP=group_padded, D=head_dim)
+    launch = dict(num_warps=num_warps) if num_stages is None else dict(num_warps=num_warps, num_stages=num_stages)
     _attention_kernel[(num_rows, num_splits)](
         q, key_cache, value_cache, out, partial_o, partial_lse,
         rows.token_request, rows.positions, rows.page_table, row_indptr, page_ids, last_len,
+        counters if combine else rows.page_table,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         key_cache.stride(0), key_cache.stride(1), key_cache.stride(2), rows.page_table.stride(0),
         pages_per_split, num_splits, scale * _LOG2E,
-        B=block_size, DENSE=dense, SPLIT=split,
-        INPUT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        num_warps=num_warps, **shapes,
+        B=block_size, DENSE=dense, SPLIT=split, COMBINE=combine,
+        INPUT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", **launch, **shapes,
     )  # fmt: skip
-    if split:
+    if split and not combine:
         _merge_kernel[(num_rows,)](
             out, partial_o, partial_lse, out.stride(0), out.stride(1), num_splits, num_warps=4, **shapes
         )

@@ -15,8 +15,8 @@ from m3stack.engine.msa.launch import use_triton
 
 
 @triton.jit
-def _store_kernel(
-    slot_ptr,
+def store_token(
+    token, slot_ptr,
     k_ptr, v_ptr, ik_ptr,
     key_cache_ptr, value_cache_ptr, index_cache_ptr,
     stride_kt, stride_kh, stride_vt, stride_vh, stride_ikt,
@@ -24,7 +24,9 @@ def _store_kernel(
     HKV: tl.constexpr, HKV_P: tl.constexpr, D: tl.constexpr, D_P: tl.constexpr,
     DI: tl.constexpr, DI_P: tl.constexpr, B: tl.constexpr, HAS_INDEX: tl.constexpr,
 ):  # fmt: skip
-    token = tl.program_id(0).to(tl.int64)
+    """Write token ``token``'s K and V rows (and index key) at its slot; also called by kernels that
+    store as a side task (the fused decode indexer, ``msa.decode_index``)."""
+    token = token.to(tl.int64)
     slot = tl.load(slot_ptr + token).to(tl.int64)
     if slot >= 0:
         page = slot // B
@@ -48,8 +50,26 @@ def _store_kernel(
             )
 
 
-def _check(cache: LayerKVCache, slot_mapping: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-           index_k: torch.Tensor | None) -> None:  # fmt: skip
+@triton.jit
+def _store_kernel(
+    slot_ptr,
+    k_ptr, v_ptr, ik_ptr,
+    key_cache_ptr, value_cache_ptr, index_cache_ptr,
+    stride_kt, stride_kh, stride_vt, stride_vh, stride_ikt,
+    stride_cp, stride_ch, stride_cb, stride_ip, stride_ib,
+    HKV: tl.constexpr, HKV_P: tl.constexpr, D: tl.constexpr, D_P: tl.constexpr,
+    DI: tl.constexpr, DI_P: tl.constexpr, B: tl.constexpr, HAS_INDEX: tl.constexpr,
+):  # fmt: skip
+    store_token(
+        tl.program_id(0), slot_ptr, k_ptr, v_ptr, ik_ptr, key_cache_ptr, value_cache_ptr, index_cache_ptr,
+        stride_kt, stride_kh, stride_vt, stride_vh, stride_ikt, stride_cp, stride_ch, stride_cb, stride_ip, stride_ib,
+        HKV, HKV_P, D, D_P, DI, DI_P, B, HAS_INDEX,
+    )  # fmt: skip
+
+
+def check_store_inputs(cache: LayerKVCache, slot_mapping: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                       index_k: torch.Tensor | None) -> None:  # fmt: skip
+    """What ``store_kv`` checks (also for kernels that store as a side task)."""
     num_pages, num_kv_heads, block_size, head_dim = cache.key.shape
     num_tokens = slot_mapping.shape[0]
     if cache.value.shape != cache.key.shape:
@@ -92,7 +112,7 @@ def store_kv(
     ``torch_only`` writes with indexed assignment even where the kernel could run (the plain-PyTorch
     reference backend, which must not slow down 10x when ``TRITON_INTERPRET=1`` is set process-wide).
     """
-    _check(cache, slot_mapping, k, v, index_k)
+    check_store_inputs(cache, slot_mapping, k, v, index_k)
     num_tokens = slot_mapping.shape[0]
     if num_tokens == 0:
         return
@@ -109,19 +129,29 @@ def store_kv(
         cache.index_key[pages, offsets] = index_k[keep].to(cache.index_key.dtype)
 
 
-def _store_triton(cache: LayerKVCache, slot_mapping: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                  index_k: torch.Tensor | None) -> None:  # fmt: skip
+def store_launch_args(cache: LayerKVCache, slot_mapping: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                      index_k: torch.Tensor | None) -> tuple[tuple, dict[str, int | bool]]:  # fmt: skip
+    """``store_token``'s runtime arguments after ``token`` (slots, sources, caches, strides) and its
+    constexprs, for ``_store_kernel`` and for kernels that store as a side task."""
     _, num_kv_heads, block_size, head_dim = cache.key.shape
     has_index = index_k is not None
     index_cache = cache.index_key if has_index else cache.key
     index_src = index_k if has_index else k
     index_dim = index_cache.shape[-1] if has_index else 1
-    _store_kernel[(slot_mapping.shape[0],)](
-        slot_mapping, k, v, index_src,
-        cache.key, cache.value, index_cache,
+    args = (
+        slot_mapping, k, v, index_src, cache.key, cache.value, index_cache,
         k.stride(0), k.stride(1), v.stride(0), v.stride(1), index_src.stride(0),
         cache.key.stride(0), cache.key.stride(1), cache.key.stride(2), index_cache.stride(0), index_cache.stride(1),
+    )  # fmt: skip
+    constexprs = dict(
         HKV=num_kv_heads, HKV_P=triton.next_power_of_2(num_kv_heads), D=head_dim,
         D_P=triton.next_power_of_2(head_dim), DI=index_dim, DI_P=triton.next_power_of_2(index_dim),
-        B=block_size, HAS_INDEX=has_index, num_warps=4,
+        B=block_size, HAS_INDEX=has_index,
     )  # fmt: skip
+    return args, constexprs
+
+
+def _store_triton(cache: LayerKVCache, slot_mapping: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                  index_k: torch.Tensor | None) -> None:  # fmt: skip
+    args, constexprs = store_launch_args(cache, slot_mapping, k, v, index_k)
+    _store_kernel[(slot_mapping.shape[0],)](*args, **constexprs, num_warps=4)

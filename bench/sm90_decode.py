@@ -1,0 +1,103 @@
+"""Compile the MSA decode Triton kernels for sm_90 ahead of time (no GPU needed): registers, spills,
+shared memory, resident CTAs per SM, wgmma/cp.async counts, and whether the one-launch merge and
+combine compiled to the atomics they rely on, for every launch config ``bench.msa_decode`` sweeps.
+
+    PYTHONPATH=/tmp/triton36:$PWD python -m bench.sm90_decode [--dump DIR] [--out DIR]
+
+Same method and Triton-version caveat as ``bench.sm90_compile`` (use Triton 3.6, the H200's).
+"""
+
+import argparse
+import logging
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+from bench.common import markdown_table, write_results
+from bench.sm90_compile import TRITON_DEFAULT_STAGES, KernelBuild, compile_report
+
+logger = logging.getLogger("bench.sm90_decode")
+
+
+def decode_builds() -> Iterator[KernelBuild]:
+    """The decode indexer (scan with the fused merge and store, separate merge) and the sparse decode
+    attention at M3 dims, in the launch configs ``bench.msa_decode`` uses and sweeps."""
+    import triton
+
+    from bench import msa_decode as bench
+    from m3stack.engine.msa import decode_index, paged_attention
+
+    shape = bench.M3
+    ranked = shape.topk - shape.local_blocks
+    merge = dict(
+        HIDX=shape.num_kv_heads, B=shape.block_size, CS=shape.num_kv_heads, KP=triton.next_power_of_2(ranked),
+        TOPK=shape.topk, TOPK_P=shape.topk, KR=ranked, KR_P=triton.next_power_of_2(ranked), LOCAL=shape.local_blocks,
+        FLOOR=decode_index._FLOOR,
+    )  # fmt: skip
+    store = dict(ST_HKV=shape.num_kv_heads, ST_HKV_P=shape.num_kv_heads, ST_D=shape.head_dim, ST_D_P=shape.head_dim,
+                 ST_DI=shape.index_head_dim, ST_DI_P=shape.index_head_dim, ST_HAS_INDEX=True)  # fmt: skip
+    for key_type in ("*bf16", "*fp8e4nv"):
+        pointers = dict(
+            q_ptr="*bf16", key_ptr=key_type, page_table_ptr="*i32", query_start_ptr="*i32", seq_lens_ptr="*i32",
+            list_ptr="*i64", head_ptr="*i64", counter_ptr="*i32", row_indptr_ptr="*i32", selected_ptr="*i32",
+            page_ids_ptr="*i32", slot_ptr="*i64", k_ptr="*bf16", v_ptr="*bf16", ik_ptr="*bf16",
+            key_cache_ptr="*bf16", value_cache_ptr="*bf16", index_cache_ptr=key_type,
+        )  # fmt: skip
+        configs = bench.SCAN_CONFIGS if key_type == "*bf16" else bench.SCAN_CONFIGS[:2]
+        for config in configs:
+            for splits_padded in (512, 128):
+                for fused_store in (True, False):
+                    yield KernelBuild(
+                        f"scan {key_type[1:]} pages={config.pages_per_iteration} sp={splits_padded} "
+                        f"store={fused_store}",
+                        decode_index._scan_kernel, pointers,
+                        dict(D=shape.index_head_dim, N=16, SP=splits_padded, PAGES=config.pages_per_iteration,
+                             INPUT_PRECISION="tf32", MERGE=True, STORE=fused_store, **merge, **store),
+                        config.num_warps, config.num_stages,
+                    )  # fmt: skip
+    merge_pointers = dict(list_ptr="*i64", head_ptr="*i64", page_table_ptr="*i32", query_start_ptr="*i32",
+                          seq_lens_ptr="*i32", row_indptr_ptr="*i32", selected_ptr="*i32",
+                          page_ids_ptr="*i32")  # fmt: skip
+    for splits_padded in (512, 128):
+        yield KernelBuild(
+            f"merge sp={splits_padded}", decode_index._merge_kernel, merge_pointers,
+            dict(SP=splits_padded, CPB=shape.num_kv_heads, **merge), decode_index._MERGE_WARPS, TRITON_DEFAULT_STAGES,
+        )  # fmt: skip
+    attention_pointers = dict(
+        q_ptr="*bf16", key_ptr="*bf16", value_ptr="*bf16", out_ptr="*bf16", partial_o_ptr="*fp32",
+        partial_lse_ptr="*fp32", token_request_ptr="*i32", positions_ptr="*i64", page_table_ptr="*i32",
+        row_indptr_ptr="*i32", page_ids_ptr="*i32", last_len_ptr="*i32", counter_ptr="*i32",
+    )  # fmt: skip
+    group = shape.num_q_heads // shape.num_kv_heads
+    for config in bench.ATTENTION_CONFIGS:
+        yield KernelBuild(
+            f"attention pages/split={config.pages_per_split} combine={config.fused_combine}",
+            paged_attention._attention_kernel, attention_pointers,
+            dict(HKV=shape.num_kv_heads, G=group, GP=max(16, group), D=shape.head_dim, B=shape.block_size,
+                 DENSE=False, SPLIT=True, COMBINE=config.fused_combine, INPUT_PRECISION="tf32"),
+            config.num_warps, config.num_stages or TRITON_DEFAULT_STAGES, scalar_types={"scale_log2": "fp32"},
+        )  # fmt: skip
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--dump", type=Path, default=None, help="write each build's TTGIR and PTX here")
+    parser.add_argument("--out", type=Path, default=None, help="also write sm90_decode.json here")
+    args = parser.parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    import triton
+
+    rows = []
+    for build in decode_builds():
+        rows.append(compile_report(build, args.dump))
+        logger.info("%s", rows[-1])
+    if args.out is not None:
+        write_results("sm90_decode", rows, {"triton": triton.__version__}, out_dir=args.out)
+    columns = ["kernel", "warps", "stages", "registers", "spill_bytes", "shared_kib", "ctas_per_sm", "wgmma",
+               "mma_sync", "cp_async", "error"]  # fmt: skip
+    sys.stdout.write(f"Triton {triton.__version__}, sm_90\n\n{markdown_table(rows, columns)}\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

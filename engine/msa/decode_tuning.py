@@ -1,0 +1,39 @@
+"""How the GPU backend runs an MSA decode layer: the choices bench/msa_decode.py sweeps on the H200.
+
+The defaults are the expected fastest (reasoning below; the benchmark's ``decode_sweep`` and
+``tuned`` rows show whether a run agrees):
+
+* the index scan with its merge in the last program of each request (one launch; the merge ranks
+  one head per split, then only the lists those heads lead);
+* three scan programs per SM (their shared memory allows three; one wave, no tail);
+* the Triton split-K attention with the splits combined in each row's last program: one launch and no
+  host-side plan, where FlashInfer's flattened decode takes a split-K launch, a merge launch and a
+  host plan per step for 16 pages a row (latency, not bandwidth, is that kernel's cost);
+* the scan storing the step's new keys in pure-decode steps (saves the store's own launch).
+"""
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+from m3stack.engine.msa.decode_attention import TritonDecodeConfig
+from m3stack.engine.msa.decode_index import ScanConfig
+from m3stack.engine.msa.decode_plan import SCAN_PROGRAMS_PER_SM
+
+DecodeAttentionKernel = Literal["triton", "flashinfer"]
+
+
+@dataclass(frozen=True)
+class DecodeTuning:
+    scan: ScanConfig = field(default_factory=ScanConfig)
+    scan_programs_per_sm: int = SCAN_PROGRAMS_PER_SM
+    # "flashinfer" where FlashInfer serves the cache (CUDA, fp16/bf16), else the Triton kernel.
+    attention: DecodeAttentionKernel = "triton"
+    triton_attention: TritonDecodeConfig = field(default_factory=TritonDecodeConfig)
+    # The scan stores each pure-decode step's new K, V and index key (no store launch).
+    fused_store: bool = True
+
+    def __post_init__(self) -> None:
+        if self.attention not in ("triton", "flashinfer"):
+            raise ValueError(f"attention must be 'triton' or 'flashinfer', not {self.attention!r}")
+        if self.scan_programs_per_sm < 1:
+            raise ValueError(f"scan_programs_per_sm must be >= 1, got {self.scan_programs_per_sm}")
