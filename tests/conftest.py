@@ -18,6 +18,19 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
+@pytest.fixture(autouse=True)
+def normal_cpu_scheduling():
+    """Fails a test that leaves its thread on a real-time scheduling policy, and puts SCHED_OTHER back.
+
+    A real-time xdist worker (SVT-AV1 does this to the thread that opens it as root) passes the policy
+    on to every process it starts and starves the rest of the run; see media_factory.keep_cpu_scheduling.
+    """
+    yield
+    if os.sched_getscheduler(0) != os.SCHED_OTHER:
+        os.sched_setscheduler(0, os.SCHED_OTHER, os.sched_param(0))
+        pytest.fail("the test left this thread on a real-time CPU scheduling policy (restored to SCHED_OTHER)")
+
+
 @pytest.fixture(scope="session")
 def repo_root() -> Path:
     return REPO_ROOT

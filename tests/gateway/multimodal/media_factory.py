@@ -1,6 +1,9 @@
 """Generated test media: natural-looking images in every pixel mode, and videos encoded with PyAV."""
 
+import contextlib
 import io
+import os
+from collections.abc import Iterator
 from fractions import Fraction
 
 import av
@@ -46,6 +49,22 @@ def encode_image(pixels: np.ndarray, fmt: str, mode: str | None = None, exif_ori
     return buffer.getvalue()
 
 
+@contextlib.contextmanager
+def keep_cpu_scheduling() -> Iterator[None]:
+    """Restores the calling thread's CPU scheduling policy after the block.
+
+    SVT-AV1 (``libsvtav1``) run as root switches the thread that opens the encoder to SCHED_FIFO at
+    the highest priority.  Every process that thread starts afterwards (engines, the test control
+    plane) inherits it, and a busy real-time process starves everything else on a 2-core machine.
+    """
+    policy, param = os.sched_getscheduler(0), os.sched_getparam(0)
+    try:
+        yield
+    finally:
+        if os.sched_getscheduler(0) != policy:
+            os.sched_setscheduler(0, policy, param)
+
+
 def encode_video(
     width: int,
     height: int,
@@ -62,7 +81,7 @@ def encode_video(
     """A moving pattern; ``variable_rate`` spaces frames irregularly (1/1000 s time base)."""
     rng = np.random.default_rng(seed)
     buffer = io.BytesIO()
-    with av.open(buffer, mode="w", format=container) as output:
+    with keep_cpu_scheduling(), av.open(buffer, mode="w", format=container) as output:
         stream = output.add_stream(codec, rate=fps)
         stream.width, stream.height = width, height
         stream.pix_fmt = "yuv420p"

@@ -1,6 +1,7 @@
 """Videos encoded with PyAV: same sampled frames, grids, tokens and patches as MiniMaxM3VLVideoProcessor."""
 
 import functools
+import os
 
 import numpy as np
 import pytest
@@ -73,6 +74,11 @@ def test_video_matches_reference(case, backend):
         assert difference.max() <= 2 and difference.mean() < 0.02, (difference.max(), difference.mean())
     normalized = run_reference_video(decoded, reference, raw=False)["pixel_values_videos"]
     assert_within_reference_tolerance(preprocessor.normalize(ours), normalized)
+
+
+def test_encoding_av1_leaves_the_scheduling_policy_alone():
+    encode_video(64, 48, 4, 24, "libsvtav1")
+    assert os.sched_getscheduler(0) == os.SCHED_OTHER
 
 
 def test_rotation_is_read_from_the_display_matrix():
