@@ -2,23 +2,40 @@
 
 Starts N engine processes and one gateway process (the same ``m3stack engine`` / ``m3stack gateway``
 subcommands the containers run), waits until they are ready, prints the URL and examples, and serves
-until Ctrl-C, which stops everything.  With ``--demo`` it sends a text, an image and a video request
-through the OpenAI API, prints the answers and timings, and exits.
+until Ctrl-C (or SIGTERM), which stops the gateway (open streams finish), then the engines.  With
+``--demo`` it sends a text, an image and a video request through the OpenAI API, prints the answers and
+timings, and exits.  Every other engine or gateway flag can be set through its environment variable
+(``M3STACK_ENGINE_KV_CACHE_GB=4``, ``M3STACK_GATEWAY_MEDIA_WORKERS=2``, ...).
 """
 
 import argparse
 import logging
+import os
 import signal
-import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
+from types import FrameType
+from typing import TYPE_CHECKING
 
 from m3stack import options
 from m3stack.options import OptionGroup
 
+if TYPE_CHECKING:  # the stack module is imported when `up` runs, not for `m3stack --help`
+    from m3stack.local.stack import LocalStack
+
 logger = logging.getLogger(__name__)
 
 ENGINE_READY_TIMEOUT_S = 600.0  # first run on CPU includes creating the tiny model
-GATEWAY_READY_TIMEOUT_S = 120.0
+GATEWAY_READY_TIMEOUT_S = 300.0  # the gateway spawns its media worker processes before it is ready
+WATCH_INTERVAL_S = 1.0
+
+
+class StopSignal(BaseException):
+    """Ctrl-C or SIGTERM arrived: unwind from wherever we are (starting, serving) and stop the children.
+
+    A BaseException, like KeyboardInterrupt, so that no `except Exception` on the way swallows it."""
 
 
 def add_arguments(opts: OptionGroup) -> None:
@@ -26,7 +43,12 @@ def add_arguments(opts: OptionGroup) -> None:
     opts.add("--host", default="127.0.0.1", help="gateway listen address")
     opts.add("--port", type=options.port, default=8000, help="gateway HTTP port")
     opts.add("--engines", type=options.positive_int, default=1, help="number of engine processes")
-    opts.add("--device", default="auto", choices=["auto", "cpu", "cuda"], help="where the engines run")
+    opts.add(
+        "--device",
+        default="auto",
+        choices=["auto", "cpu", "cuda"],
+        help="where the engines run; on CUDA several engines split the visible GPUs between them",
+    )
     opts.add("--log-dir", default=None, help="folder for the processes' logs (default: a new folder under the cache)")
     opts.flag("--demo", help="send a text, an image and a video request, print the answers, then exit")
 
@@ -41,14 +63,62 @@ def resolve_model(model: str) -> Path:
         return path
     path = Path(model).expanduser().resolve()
     if not (path / "config.json").is_file():
-        raise SystemExit(f"--model {model}: no config.json there; give an HF-layout M3 checkpoint folder or 'default'")
+        raise ValueError(f"--model {model}: no config.json there; give an HF-layout M3 checkpoint folder or 'default'")
     return path
+
+
+def split_gpus(num_engines: int, visible: list[str]) -> list[dict[str, str]]:
+    """Each engine's ``CUDA_VISIBLE_DEVICES``: the visible GPUs split into equal consecutive shares.
+
+    One engine keeps whatever it sees (it may span several GPUs with --tensor-parallel); engines never
+    share a GPU, since each one sizes its KV cache from the memory it finds free."""
+    if num_engines == 1 or not visible:
+        return [{} for _ in range(num_engines)]
+    if num_engines > len(visible):
+        raise ValueError(f"--engines {num_engines} needs one GPU each, but {len(visible)} are visible")
+    share = len(visible) // num_engines
+    return [{"CUDA_VISIBLE_DEVICES": ",".join(visible[i * share : (i + 1) * share])} for i in range(num_engines)]
+
+
+def visible_gpus(device: str, num_engines: int) -> list[str]:
+    """The CUDA devices the engines may use, as ``CUDA_VISIBLE_DEVICES`` entries ([] on CPU)."""
+    if device == "cpu" or num_engines == 1:  # one engine needs no split: skip importing torch here
+        return []
+    import torch
+
+    count = torch.cuda.device_count()
+    inherited = [d for d in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if d.strip()]
+    return inherited[:count] if inherited else [str(i) for i in range(count)]
+
+
+@contextmanager
+def stop_on_signals() -> Iterator[None]:
+    """Turn SIGINT/SIGTERM into :class:`StopSignal` in the main thread, so a stop is honoured during
+    the minutes of startup too; restores the previous handlers on exit."""
+
+    def request_stop(signum: int, _frame: FrameType | None) -> None:
+        raise StopSignal(signal.Signals(signum).name)
+
+    previous = {sig: signal.signal(sig, request_stop) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
 
 
 def run(args: argparse.Namespace) -> int:
     from m3stack.local.stack import LocalStack
 
-    model_dir = resolve_model(args.model)
+    try:
+        with stop_on_signals():
+            model_dir = resolve_model(args.model)
+            engine_envs = split_gpus(args.engines, visible_gpus(args.device, args.engines))
+    except (ValueError, OSError) as exc:
+        logger.error("%s", exc)
+        return 2
+    except StopSignal:  # nothing started yet
+        return 0
     stack = LocalStack(
         model_dir=model_dir,
         host=args.host,
@@ -56,29 +126,46 @@ def run(args: argparse.Namespace) -> int:
         num_engines=args.engines,
         device=args.device,
         log_dir=Path(args.log_dir) if args.log_dir else None,
+        engine_envs=engine_envs,
     )
-    stop = threading.Event()
-    previous = {sig: signal.signal(sig, lambda *_: stop.set()) for sig in (signal.SIGINT, signal.SIGTERM)}
+    logger.info("logs: %s", stack.log_dir)
     try:
-        stack.start(ENGINE_READY_TIMEOUT_S, GATEWAY_READY_TIMEOUT_S)
-        if args.demo:
-            from m3stack.local.demo import run_demo
-
-            return run_demo(stack.base_url, stack.served_model_name)
-        print_usage(stack.base_url, stack.served_model_name)
-        while not stop.wait(1.0):
-            failed = stack.processes.first_exited()
-            if failed is not None:
-                logger.error(
-                    "%s exited unexpectedly (code %s); log: %s", failed.name, failed.returncode, failed.log_path
-                )
-                return 1
-        logger.info("stopping")
+        with stop_on_signals():
+            return serve(stack, args.demo)
+    except StopSignal as exc:
+        logger.info("%s: stopping (press Ctrl-C again to kill at once)", exc)
         return 0
+    except (OSError, RuntimeError) as exc:  # a port in use, a child that died while starting, a timeout
+        logger.error("%s", exc)
+        return 1
     finally:
-        stack.stop()
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
+        stop(stack)
+
+
+def serve(stack: "LocalStack", demo: bool) -> int:
+    stack.start(ENGINE_READY_TIMEOUT_S, GATEWAY_READY_TIMEOUT_S)
+    if demo:
+        from m3stack.local.demo import run_demo
+
+        return run_demo(stack.base_url, stack.served_model_name)
+    print_usage(stack.base_url, stack.served_model_name)
+    while True:
+        time.sleep(WATCH_INTERVAL_S)
+        failed = stack.first_exited()
+        if failed is not None:
+            logger.error("%s exited unexpectedly (code %s); log: %s", failed.name, failed.returncode, failed.log_path)
+            return 1
+
+
+def stop(stack: "LocalStack") -> None:
+    """Stop cleanly; a second Ctrl-C (or SIGTERM) while that runs kills every child at once."""
+    try:
+        with stop_on_signals():
+            stack.stop()
+    except StopSignal:
+        logger.warning("killing every process of the stack")
+        stack.kill()
+    logger.info("stopped; logs: %s", stack.log_dir)
 
 
 def print_usage(base_url: str, model_name: str) -> None:

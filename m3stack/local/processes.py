@@ -1,4 +1,4 @@
-"""Child processes of the local stack: start, wait until ready, stop exactly what was started."""
+"""Child processes of the local stack: start, wait until ready, restart, stop exactly what was started."""
 
 import contextlib
 import logging
@@ -10,6 +10,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -25,12 +26,28 @@ def free_port(host: str = "127.0.0.1") -> int:
         return int(sock.getsockname()[1])
 
 
+def port_is_free(host: str, port: int) -> bool:
+    """Whether a server could listen on ``host:port`` now (same socket options as uvicorn's)."""
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((host, port))
+        except OSError:
+            return False
+        return True
+
+
 @dataclass
 class ChildProcess:
     name: str
     argv: list[str]
     log_path: Path
     popen: subprocess.Popen[bytes] = field(repr=False)
+    env: dict[str, str] = field(default_factory=dict, repr=False)  # on top of ours
+
+    @property
+    def pid(self) -> int:
+        return self.popen.pid
 
     @property
     def returncode(self) -> int | None:
@@ -52,21 +69,35 @@ class ProcessGroup:
 
     def start(self, name: str, subcommand_args: list[str], env: dict[str, str] | None = None) -> ChildProcess:
         argv = [sys.executable, "-m", "m3stack", *subcommand_args]
-        log_path = self.log_dir / f"{name}.log"
+        child = ChildProcess(name, argv, self.log_dir / f"{name}.log", self._spawn(argv, name, env or {}), env or {})
+        self.children.append(child)
+        return child
+
+    def restart(self, child: ChildProcess) -> ChildProcess:
+        """Start ``child``'s command again (same ports, same log file, appended) once it has exited."""
+        if child.returncode is None:
+            raise RuntimeError(f"{child.name} (pid {child.pid}) is still running; stop it before restarting it")
+        fresh = ChildProcess(
+            child.name, child.argv, child.log_path, self._spawn(child.argv, child.name, child.env), child.env
+        )
+        self.children = [fresh if c is child else c for c in self.children]
+        return fresh
+
+    def _spawn(self, argv: list[str], name: str, env: dict[str, str]) -> subprocess.Popen[bytes]:
         self.log_dir.mkdir(parents=True, exist_ok=True)
+        log_path = self.log_dir / f"{name}.log"
         with open(log_path, "ab") as log:
             popen = subprocess.Popen(
                 argv,
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL,
-                env={**os.environ, **(env or {})},
-                start_new_session=True,  # Ctrl-C reaches us only; we stop the children in order
+                env={**os.environ, **env},
+                # Ctrl-C in a terminal reaches the parent only, which then stops the children in order.
+                start_new_session=True,
             )
-        child = ChildProcess(name=name, argv=argv, log_path=log_path, popen=popen)
-        self.children.append(child)
         logger.info("started %s (pid %d), log: %s", name, popen.pid, log_path)
-        return child
+        return popen
 
     def first_exited(self) -> ChildProcess | None:
         return next((c for c in self.children if c.returncode is not None), None)
@@ -85,26 +116,44 @@ class ProcessGroup:
             time.sleep(POLL_INTERVAL_S)
         raise TimeoutError(f"{child.name} was not ready within {timeout_s:.0f}s ({url}); log: {child.log_path}")
 
-    def stop_all(self, timeout_s: float = 30.0) -> None:
-        """SIGTERM in reverse start order (gateway before engines), then SIGKILL what is left."""
-        for child in reversed(self.children):
+    def stop(self, children: Iterable[ChildProcess], timeout_s: float = 30.0) -> None:
+        """SIGTERM ``children`` together, wait for all of them, SIGKILL what is left at the deadline."""
+        chosen = list(children)
+        for child in chosen:
             if child.returncode is None:
-                _signal_group(child, signal.SIGTERM)
+                signal_child(child, signal.SIGTERM)
         deadline = time.monotonic() + timeout_s
-        for child in reversed(self.children):
-            remaining = max(0.0, deadline - time.monotonic())
+        for child in chosen:
             try:
-                child.popen.wait(timeout=remaining)
+                child.popen.wait(timeout=max(0.0, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
                 logger.warning("%s did not stop within %.0fs; killing it", child.name, timeout_s)
-                _signal_group(child, signal.SIGKILL)
+                signal_child(child, signal.SIGKILL)
                 child.popen.wait()
+            signal_child(child, signal.SIGKILL)  # anything of its session it left behind
+        self.children = [c for c in self.children if c not in chosen]
+
+    def stop_all(self, timeout_s: float = 30.0) -> None:
+        """Stop every child at once (see :meth:`stop`)."""
+        self.stop(reversed(self.children), timeout_s)
+
+    def kill_all(self) -> None:
+        """SIGKILL every child and reap it: the way out when a clean stop is not wanted."""
+        for child in self.children:
+            signal_child(child, signal.SIGKILL)
+        for child in self.children:
+            child.popen.wait()
         self.children.clear()
 
 
-def _signal_group(child: ChildProcess, sig: signal.Signals) -> None:
+def signal_child(child: ChildProcess, sig: signal.Signals) -> None:
+    """SIGKILL goes to the child's whole session (its own workers too, e.g. the gateway's media processes);
+    other signals to the child alone, which stops its workers itself once it has drained."""
     with contextlib.suppress(ProcessLookupError):
-        os.killpg(child.popen.pid, sig)
+        if sig == signal.SIGKILL:
+            os.killpg(child.popen.pid, sig)
+        else:
+            os.kill(child.popen.pid, sig)
 
 
 def http_ok(url: str, timeout_s: float = 2.0) -> bool:

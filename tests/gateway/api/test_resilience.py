@@ -49,7 +49,7 @@ def inflight(gateway, engine) -> float:
 def test_traffic_spreads_then_survives_a_killed_engine(pair, model_name, wait_until):
     first, second, gateway = pair
     client = gateway.client(timeout_s=120)
-    runners = [StreamRunner(client, model_name, PROMPT, max_tokens=200) for _ in range(8)]
+    runners = [StreamRunner(client, model_name, PROMPT, max_tokens=96) for _ in range(8)]
     for runner in runners:
         runner.start()
     wait_until(lambda: inflight(gateway, first) >= 1 and inflight(gateway, second) >= 1, 60, "streams on both engines")
