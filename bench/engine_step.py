@@ -154,7 +154,9 @@ def main() -> int:
     device = torch.device("cuda")
     model, m3 = build_model(args.layers, args.moe, device)
     max_len = args.context + WARMUP_STEPS + args.steps + 16
-    blocks = max(CONCURRENCIES) * -(-max_len // 128) + 8
+    # Twice what the largest point holds: a cache sized to the block leaves no room for the scheduler's
+    # headroom and preempts requests mid-measurement.
+    blocks = 2 * max(CONCURRENCIES) * -(-max_len // 128)
     rows = []
     for mode, graphs, overlap in (("graphs", True, True), ("eager", False, True), ("sync", False, False)):
         config = EngineConfig(
