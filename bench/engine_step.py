@@ -43,6 +43,7 @@ logger = logging.getLogger("bench.engine_step")
 
 CONCURRENCIES = (1, 8, 64)
 WARMUP_STEPS = 10
+PREFILL_STEPS_MARGIN = 64  # decode steps the earliest request may run before the last one is prefilled
 VOCAB = 200064
 
 
@@ -98,7 +99,9 @@ def build_model(layers: int, moe: bool, device: torch.device) -> tuple[M3ForServ
 
 def measure(core: EngineCore, concurrency: int, context: int, steps: int) -> dict[str, Any]:
     rng = random.Random(concurrency)
-    sampling = SamplingParams(temperature=0.0, max_new_tokens=WARMUP_STEPS + steps + 2, ignore_eos=True)
+    # Requests prefilled first decode while the rest prefill, so each gets room for every step of the point.
+    sampling = SamplingParams(temperature=0.0, max_new_tokens=WARMUP_STEPS + steps + PREFILL_STEPS_MARGIN,
+                              ignore_eos=True)  # fmt: skip
     for index in range(concurrency):
         prompt = [rng.randrange(VOCAB - 200) for _ in range(context)]
         core.add_request(build_request(core.info, f"c{concurrency}-{index}", prompt, sampling))
@@ -153,7 +156,7 @@ def main() -> int:
         return 1
     device = torch.device("cuda")
     model, m3 = build_model(args.layers, args.moe, device)
-    max_len = args.context + WARMUP_STEPS + args.steps + 16
+    max_len = args.context + WARMUP_STEPS + args.steps + PREFILL_STEPS_MARGIN + 16
     # Twice what the largest point holds: a cache sized to the block leaves no room for the scheduler's
     # headroom and preempts requests mid-measurement.
     blocks = 2 * max(CONCURRENCIES) * -(-max_len // 128)
