@@ -12,6 +12,10 @@ import torch
 
 from m3stack.engine.attention.metadata import AttentionMetadata
 
+# Head dims FlashInfer's SM90 prefill kernels are instantiated for (a static_assert in prefill_sm90.cuh);
+# other sizes (the tiny model's 32) take the Triton paths.
+FLASHINFER_HEAD_DIMS = (64, 128, 256)
+
 # First page-list capacity of a CUDA-graph decode wrapper (grown by doubling when a wider table comes).
 _MIN_GRAPH_PAGES = 1024
 

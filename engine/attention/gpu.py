@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from m3stack.engine.attention.flashinfer_dense import FlashInferDense
+from m3stack.engine.attention.flashinfer_dense import FLASHINFER_HEAD_DIMS, FlashInferDense
 from m3stack.engine.attention.metadata import AttentionMetadata
 from m3stack.engine.kv_cache.tensors import LayerKVCache
 from m3stack.engine.msa.decode_attention import (
@@ -122,11 +122,16 @@ class GpuAttentionBackend:
         self.decode_tuning = decode_tuning or DecodeTuning()
         self.offload = offload
         self._index_head_dim = sparse_layer.index_key.shape[2] if sparse_layer is not None else None
-        # FlashInfer attends in half precision only; float32 caches take the Triton paths.
+        # FlashInfer attends in half precision at a few head dims only; other caches take the Triton paths.
         half = first.key.dtype in (torch.float16, torch.bfloat16)
         if use_flashinfer and not half:
             raise ValueError(f"FlashInfer needs a float16/bfloat16 KV cache, not {first.key.dtype}")
-        self.use_flashinfer = flashinfer_available(self.device) and half if use_flashinfer is None else use_flashinfer
+        head_dim_supported = first.key.shape[3] in FLASHINFER_HEAD_DIMS
+        if use_flashinfer and not head_dim_supported:
+            raise ValueError(f"FlashInfer supports head dims {FLASHINFER_HEAD_DIMS}, not {first.key.shape[3]}")
+        if use_flashinfer is None:
+            use_flashinfer = flashinfer_available(self.device) and half and head_dim_supported
+        self.use_flashinfer = use_flashinfer
         self._workspace: torch.Tensor | None = None
         self._fi_dense: FlashInferDense | None = None
         self._fi_sparse: FlashInferSparseDecode | None = None

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from m3stack.engine.attention import gpu as gpu_backend
+from m3stack.engine.attention.flashinfer_dense import FLASHINFER_HEAD_DIMS
 from m3stack.engine.attention.gpu import GpuAttentionBackend
 from m3stack.engine.attention.reference import ReferenceAttentionBackend
 from m3stack.engine.kv_cache.tensors import KVCacheSpec, allocate_kv_cache
@@ -100,6 +101,17 @@ def test_bad_steps_are_refused() -> None:
             GpuAttentionBackend(caches(), topk_blocks=TOPK, local_blocks=LOCAL)
         finally:
             os.environ["TRITON_INTERPRET"] = "1"
+
+
+def test_flashinfer_is_refused_where_it_has_no_kernels() -> None:
+    with pytest.raises(ValueError, match="float16/bfloat16"):
+        GpuAttentionBackend(caches(), topk_blocks=TOPK, local_blocks=LOCAL, use_flashinfer=True)
+    half = caches()
+    for layer in half:
+        layer.key, layer.value = layer.key.bfloat16(), layer.value.bfloat16()
+    assert HEAD_DIM not in FLASHINFER_HEAD_DIMS
+    with pytest.raises(ValueError, match="head dims"):
+        GpuAttentionBackend(half, topk_blocks=TOPK, local_blocks=LOCAL, use_flashinfer=True)
 
 
 def test_decode_buffers_per_batch_size_stay_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
