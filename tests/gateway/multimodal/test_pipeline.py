@@ -3,6 +3,8 @@ bad media is a 400 that leaves the pipeline serving, the cache and both transpor
 
 import asyncio
 import dataclasses
+import os
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -135,6 +137,23 @@ def test_shared_memory_transport_hands_the_segment_to_the_engine(runner, make_pi
     assert not (SHM_DIR / name).exists()
 
 
+def _own_segments() -> list[str]:
+    """Shared-memory segments made by this test process or its worker processes.
+
+    Segment names carry the creating pid; other xdist workers run pipelines at the same time, so
+    their segments must not count here.
+    """
+    own = {os.getpid()}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:  # the process ended while we looked
+            continue
+        if int(fields[1]) == os.getpid():
+            own.add(int(stat.parent.name))
+    return [path.name for path in SHM_DIR.glob("m3stack-mm-*") if int(path.name.split("-")[2]) in own]
+
+
 def _truncated(data: bytes) -> bytes:
     return data[: len(data) // 2]
 
@@ -160,7 +179,7 @@ def test_bad_media_is_a_400_and_the_pipeline_keeps_serving(case, runner, make_pi
     assert error.value.status == 400 and error.value.param == "messages[0].content[1]"
     (item,) = runner.run(pipeline.process_media([MediaPart("image", data_url(image_bytes, "image/jpeg"))]))
     assert item.num_tokens > 0
-    assert not list(SHM_DIR.glob("m3stack-mm-*")), "segments of failed requests must be removed"
+    assert not _own_segments(), "segments of failed requests must be removed"
 
 
 @pytest.mark.parametrize(
