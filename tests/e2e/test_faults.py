@@ -1,11 +1,15 @@
-"""Faults in a local stack of two engines and a gateway, in order on one stack of their own:
+"""Faults in local stacks of two engines and a gateway, started for these tests:
 
 1. SIGKILL one engine mid-stream: its streams end with an error naming it within seconds, the other
    engine's streams finish, new requests go to the survivor;
 2. restart it on its old address: the gateway routes to it again;
 3. SIGTERM an engine with requests in flight: they all finish before the drain deadline, the engine exits 0,
    requests sent meanwhile go to the other engine;
-4. SIGTERM the gateway: open streams finish, new connections are refused, the gateway exits 0.
+4. SIGTERM the gateway (on a stack of its own): open streams finish, new connections are refused, the
+   gateway exits 0.
+
+The engine tests share one stack, and each first puts the victim engine in the state it needs, so
+they hold in any order and on any xdist worker.
 """
 
 import os
@@ -70,6 +74,13 @@ def start_streams_on_both_engines(stack, client, model: str, count: int, max_tok
     return runners
 
 
+def victim_running(stack) -> None:
+    """(Re)start the victim engine if an earlier test left it stopped, and wait for the gateway to use it."""
+    if stack.engines[VICTIM].child.returncode is not None:
+        stack.restart_engine(VICTIM, ENGINE_READY_TIMEOUT_S)
+    poll_until(lambda: gateway_sample(stack, "m3stack_gateway_engine_ready", VICTIM) == 1, 60, "the gateway to see it")
+
+
 def join_all(runners: list[StreamRunner], timeout_s: float = 180) -> None:
     for runner in runners:
         runner.join(timeout_s)
@@ -77,6 +88,7 @@ def join_all(runners: list[StreamRunner], timeout_s: float = 180) -> None:
 
 
 def test_killed_engine_ends_its_streams_with_an_error_and_the_survivor_takes_new_requests(fault_stack, client):
+    victim_running(fault_stack)
     model, victim = fault_stack.served_model_name, fault_stack.engines[VICTIM]
     runners = start_streams_on_both_engines(fault_stack, client, model, count=6, max_tokens=400)
     on_victim = inflight(fault_stack, VICTIM)
@@ -102,10 +114,14 @@ def test_killed_engine_ends_its_streams_with_an_error_and_the_survivor_takes_new
 
 
 def test_restarted_engine_is_used_again(fault_stack, client):
-    fault_stack.restart_engine(VICTIM, ENGINE_READY_TIMEOUT_S)
+    victim = fault_stack.engines[VICTIM].child
+    if victim.returncode is None:
+        signal_child(victim, signal.SIGKILL)
+        victim.popen.wait(30)
     poll_until(
-        lambda: gateway_sample(fault_stack, "m3stack_gateway_engine_ready", VICTIM) == 1, 60, "the gateway to see it"
+        lambda: gateway_sample(fault_stack, "m3stack_gateway_engine_ready", VICTIM) == 0, 60, "the gateway to drop it"
     )
+    victim_running(fault_stack)
     runners = start_streams_on_both_engines(fault_stack, client, fault_stack.served_model_name, 6, max_tokens=64)
     join_all(runners)
     assert all(r.error is None and r.finish_reason == "length" for r in runners), [str(r.error) for r in runners]
@@ -113,6 +129,7 @@ def test_restarted_engine_is_used_again(fault_stack, client):
 
 
 def test_sigterm_lets_an_engine_finish_its_requests_within_the_drain_deadline(fault_stack, client):
+    victim_running(fault_stack)
     model, victim = fault_stack.served_model_name, fault_stack.engines[VICTIM]
     runners = start_streams_on_both_engines(fault_stack, client, model, count=6, max_tokens=48)
     assert inflight(fault_stack, VICTIM) >= 1
@@ -128,9 +145,19 @@ def test_sigterm_lets_an_engine_finish_its_requests_within_the_drain_deadline(fa
     assert "draining" in victim.child.log_path.read_text()
 
 
-def test_sigterm_to_the_gateway_finishes_open_streams_and_refuses_new_connections(fault_stack, client):
-    gateway = fault_stack.gateway
-    runners = [StreamRunner(client, fault_stack.served_model_name, PROMPT, 128) for _ in range(4)]
+@pytest.fixture
+def gateway_stack(tiny_model_dir, tmp_path_factory):
+    stack = start_stack(tiny_model_dir, tmp_path_factory.mktemp("gateway-stack-logs"), 1,
+                        gateway_args=("--media-workers", "0", "--drain-timeout", "60"))  # fmt: skip
+    try:
+        yield stack
+    finally:
+        stack.stop()
+
+
+def test_sigterm_to_the_gateway_finishes_open_streams_and_refuses_new_connections(gateway_stack):
+    gateway, client = gateway_stack.gateway, openai_client(gateway_stack, timeout_s=180)
+    runners = [StreamRunner(client, gateway_stack.served_model_name, PROMPT, 128) for _ in range(4)]
     for runner in runners:
         runner.start()
     poll_until(lambda: all(r.chunks >= 2 for r in runners), 120, "tokens on every stream")
@@ -138,7 +165,7 @@ def test_sigterm_to_the_gateway_finishes_open_streams_and_refuses_new_connection
 
     def refused() -> bool:
         try:
-            httpx.get(f"{fault_stack.base_url}/health", timeout=2)
+            httpx.get(f"{gateway_stack.base_url}/health", timeout=2)
         except httpx.ConnectError:
             return True
         return False
