@@ -135,8 +135,13 @@ def test_a_multi_node_engine_is_a_leader_worker_set_whose_groups_make_the_status
         ready = {"replicas": 2, "readyReplicas": 2, "updatedReplicas": 2}
         ready["observedGeneration"] = lws["metadata"]["generation"]
         kube("patch", LWS, "mn-engine", "--subresource=status", "--type=merge", "-p", json.dumps({"status": ready}))
+
+    def statuses() -> str:
+        lws_status = (_lws(kube, "mn-engine") or {}).get("status")
+        return f"LeaderWorkerSet status {lws_status}; M3Deployment engine status {_engines(kube, 'mn')}"
+
     wait_for("the engine groups in the M3Deployment status", lambda: _engines(kube, "mn").get("readyReplicas") == 2,
-             timeout_s=120)  # fmt: skip
+             timeout_s=180, detail=statuses)  # fmt: skip
     assert kube.condition("mn", "EnginesReady")["status"] == "True"
     kube.wait_ready("mn")
     kube("delete", "m3deployment", "mn", "--wait=false")  # its GPUs go back to the fake nodes
