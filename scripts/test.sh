@@ -13,7 +13,7 @@ echo "== ruff"
 if ! ruff check .; then status=1; fi
 
 echo "== k8s test binaries"
-# tests/k8s runs on a control plane built from Go modules into $M3STACK_CACHE: tens of minutes
+# tests/k8s runs on a control plane built from Go modules into $M3STACK_CACHE: about 15 minutes
 # once, an instant check after.  Built here, not inside a test's timeout; skipped when the
 # arguments name only paths outside tests/k8s.
 if ! bash tests/k8s/infra/build --for-pytest "$@" >/dev/null; then status=1; fi
