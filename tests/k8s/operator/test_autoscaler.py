@@ -260,13 +260,13 @@ def test_scale_to_zero_and_woken_by_refused_requests(loopback, operator, kube: K
             )
             assert answer.status_code == 503, answer.text
             refused += 1
-            return watch.replicas() == 1
+            return watch.replicas() >= 1  # panic mode may wake it straight to 2
 
         wait_for("an engine after refused requests", woken, timeout_s=30, interval_s=0.5)
-        measured["refused: back to 1 engine"] = time.monotonic() - started
+        measured["refused: back to >= 1 engine"] = time.monotonic() - started
     report(measured)
     # Woken within a few decisions, not after a window of averaging.
-    assert measured["refused: back to 1 engine"] < windows["stableWindowSeconds"] + 2 * INTERVAL_S, refused
+    assert measured["refused: back to >= 1 engine"] < windows["stableWindowSeconds"] + 2 * INTERVAL_S, refused
     assert ("Normal", "ScaledUp") in {(e["type"], e["reason"]) for e in watch.autoscaler_events()}
 
 
