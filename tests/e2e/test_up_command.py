@@ -140,7 +140,7 @@ def test_up_serves_the_printed_examples_until_ctrl_c_stops_every_process(tiny_mo
         assert up.wait(120) == 0, up.output
     finally:
         up.close()
-    poll_until(lambda: not any(alive(pid) for pid in children), 10, "every child of m3stack up to exit")
+    poll_until(lambda: not any(alive(pid) for pid in children), 60, "every child of m3stack up to exit")
     assert "stopped" in up.output
 
 
