@@ -1,10 +1,34 @@
-"""Image and video preprocessing for the gateway (see ``pipeline.py`` for how the API uses it)."""
+"""Image and video preprocessing for the gateway (see ``pipeline.py`` for how the API uses it).
 
-from .errors import MediaError
-from .limits import MediaLimits
-from .pipeline import MediaPart, MediaPipeline, ProcessedItem
-from .spec import ModelProfile, PlaceholderSpan, load_profile, register_profile
-from .transport import Transport, WireDType
+The public names load on first use (PEP 562): ``m3stack`` builds every subcommand's parser at startup
+and the gateway's flags come from ``limits``, so importing this package must not pull in PyAV, Pillow
+or numpy; only touching ``MediaPipeline`` and friends does.
+"""
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from .errors import MediaError
+    from .limits import MediaLimits
+    from .pipeline import MediaPart, MediaPipeline, ProcessedItem
+    from .spec import ModelProfile, PlaceholderSpan, load_profile, register_profile
+    from .transport import Transport, WireDType
+
+# public name -> the submodule that defines it
+_SOURCES = {
+    "MediaError": ".errors",
+    "MediaLimits": ".limits",
+    "MediaPart": ".pipeline",
+    "MediaPipeline": ".pipeline",
+    "ProcessedItem": ".pipeline",
+    "ModelProfile": ".spec",
+    "PlaceholderSpan": ".spec",
+    "load_profile": ".spec",
+    "register_profile": ".spec",
+    "Transport": ".transport",
+    "WireDType": ".transport",
+}
 
 __all__ = [
     "MediaError",
@@ -19,3 +43,16 @@ __all__ = [
     "load_profile",
     "register_profile",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    source = _SOURCES.get(name)
+    if source is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(source, __name__), name)
+    globals()[name] = value  # later lookups skip this function
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *__all__})

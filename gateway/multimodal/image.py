@@ -13,8 +13,8 @@ import simplejpeg
 from PIL import Image, ImageOps, UnidentifiedImageError
 
 from .errors import MediaError
+from .limits import DEFAULT_IMAGE_FORMATS
 
-DEFAULT_IMAGE_FORMATS = ("JPEG", "PNG", "WEBP", "GIF", "BMP")
 EXIF_ORIENTATION = 0x0112
 TRANSPOSING_ORIENTATIONS = {5, 6, 7, 8}  # the ones that swap width and height
 _RGB_CONVERTIBLE = {"RGB", "RGBA", "RGBX", "RGBa", "L", "LA", "La", "P", "PA", "1", "CMYK", "YCbCr"}

@@ -14,11 +14,15 @@ from m3stack import options
 from m3stack.options import OptionGroup
 
 from .errors import MediaError
-from .image import DEFAULT_IMAGE_FORMATS
-from .video import DEFAULT_CODECS, DEFAULT_CONTAINERS
 
 M3_MAX_IMAGE_PIXELS = 3584 * 3584
 M3_MAX_VIDEO_PIXELS = 301_056_000
+
+# Defaults of the decoder allowlists below.  They live here rather than in image.py/video.py so that this
+# module, which the CLI imports to build its flags, loads neither Pillow, PyAV nor numpy.
+DEFAULT_IMAGE_FORMATS = ("JPEG", "PNG", "WEBP", "GIF", "BMP")
+DEFAULT_CONTAINERS = ("mov", "mp4", "m4a", "3gp", "3g2", "mj2", "matroska", "webm", "avi", "mpegts", "ogg")
+DEFAULT_CODECS = ("h264", "hevc", "vp8", "vp9", "av1", "mpeg4", "mpeg1video", "mpeg2video", "mjpeg", "theora")
 
 
 @dataclass(frozen=True)

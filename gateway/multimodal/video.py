@@ -22,6 +22,7 @@ import av
 import numpy as np
 
 from .errors import MediaError
+from .limits import DEFAULT_CODECS, DEFAULT_CONTAINERS
 from .spec import VideoProbe
 
 logger = logging.getLogger(__name__)
@@ -33,10 +34,6 @@ class DecodeSegment:
 
     seek_pts: int
     target_pts: tuple[int, ...]
-
-
-DEFAULT_CONTAINERS = ("mov", "mp4", "m4a", "3gp", "3g2", "mj2", "matroska", "webm", "avi", "mpegts", "ogg")
-DEFAULT_CODECS = ("h264", "hevc", "vp8", "vp9", "av1", "mpeg4", "mpeg1video", "mpeg2video", "mjpeg", "theora")
 
 
 def probe_video(
