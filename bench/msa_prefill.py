@@ -72,7 +72,7 @@ BLOCK_MAJOR_CONFIGS = [
 # last the merge kernel's launch.
 TILES_PER_ITEM = [32, 16, 64]
 WORKSPACES = [DEFAULT_WORKSPACE_BYTES, 512 << 20, 1 << 30, 8 << 30]
-MERGE_CONFIGS = [(4, 3), (4, 2), (8, 3)]  # (merge_num_warps, merge_num_stages)
+MERGE_CONFIGS = [(4, 3), (2, 4), (4, 2), (8, 3)]  # (merge_num_warps, merge_num_stages)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,5 +1,5 @@
 """KV-block-major sparse prefill (design/msa.md, kernel 4): one program per (KV head, selected block)
-work item, then an LSE merge per token.
+work item, then an LSE merge per (token, KV head).
 
 A work item (``prefill_csr``) is a run of at most ``queries_per_item`` queries that picked one
 (KV head, block).  Its program loads the block's K and V once and loops over tiles of those
@@ -146,38 +146,41 @@ def _block_major_kernel(
 @triton.jit(do_not_specialize=["token_offset"])
 def _merge_kernel(
     part_o_ptr, part_lse_ptr, sel_ptr, positions_ptr, out_ptr, token_offset, stride_sh, stride_st, stride_ot, stride_oh,
-    HKV: tl.constexpr, G: tl.constexpr, HQP: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, B: tl.constexpr,
+    HKV: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, B: tl.constexpr,
     K: tl.constexpr, KP: tl.constexpr, NUM_STAGES: tl.constexpr,
 ):
-    """One token, all query heads: out = sum_k 2^(lse_k - lse) O_k over each KV group's valid slots.
-    The LSEs of all slots come first (one small load), so the weights are final before the partials
-    stream in, each read once, with ``NUM_STAGES - 1`` slots in flight."""
+    """One (token, KV head): out = sum_k 2^(lse_k - lse) O_k over the head's valid slots.
+
+    The pair's partials are one contiguous K x G x D slab.  The LSEs of all slots come first (one
+    small load), so the weights are final before the partials stream in, each read once with
+    ``NUM_STAGES - 1`` slots in flight.  A program holds only a G x D accumulator, so many fit on
+    an SM and keep enough loads in flight to run at the copy rate (one program per token with all
+    query heads held 64 x 128 fp32 and ran at a quarter of it)."""
     t_local = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1)
     token = token_offset + t_local
     q_block = (tl.load(positions_ptr + token) // B).to(tl.int32)
-    row = tl.arange(0, HQP)  # query head = kv_head * G + g
-    head = row // G
-    row_live = row < HKV * G
+    g = tl.arange(0, GP)
+    g_live = g < G
     slot = tl.arange(0, KP)
-    block = tl.load(sel_ptr + head[:, None] * stride_sh + token * stride_st + slot[None, :],
-                    mask=row_live[:, None] & (slot[None, :] < K), other=-1).to(tl.int32)
-    live = row_live[:, None] & (block >= 0) & (block <= q_block)
-    part_rows = ((t_local * HKV + head[:, None]) * K + slot[None, :]) * G + (row % G)[:, None]  # [HQP, KP]
-    lse = tl.load(part_lse_ptr + part_rows, mask=live, other=NEG_INF)
+    block = tl.load(sel_ptr + head * stride_sh + token * stride_st + slot, mask=slot < K, other=-1).to(tl.int32)
+    slot_live = (block >= 0) & (block <= q_block)
+    pair_row = (t_local * HKV + head) * K  # first slot's row in [chunk_tokens * HKV * K, G]
+    lse = tl.load(part_lse_ptr + (pair_row + slot[None, :]) * G + g[:, None], mask=g_live[:, None] & slot_live[None, :],
+                  other=NEG_INF)  # [GP, KP]
     lse_max = tl.max(lse, axis=1)
     weight = tl.exp2(lse - tl.where(lse_max == NEG_INF, 0.0, lse_max)[:, None])
     weight = weight / tl.maximum(tl.sum(weight, axis=1), 1e-30)[:, None]  # rows with no slot stay 0
     d = tl.arange(0, DP)
-    io_mask = row_live[:, None] & (d[None, :] < D)
-    acc = tl.zeros((HQP, DP), dtype=tl.float32)
+    io_mask = g_live[:, None] & (d[None, :] < D)
+    acc = tl.zeros((GP, DP), dtype=tl.float32)
     for k in tl.range(K, num_stages=NUM_STAGES):
         slot_weight = tl.sum(tl.where(slot[None, :] == k, weight, 0.0), axis=1)
-        part_row = ((t_local * HKV + head) * K + k) * G + row % G
-        part = tl.load(part_o_ptr + part_row[:, None] * D + d[None, :], mask=(slot_weight > 0)[:, None] & io_mask,
-                       other=0.0)
+        part = tl.load(part_o_ptr + ((pair_row + k) * G + g[:, None]) * D + d[None, :],
+                       mask=(slot_weight > 0)[:, None] & io_mask, other=0.0)
         acc += slot_weight[:, None] * part.to(tl.float32)
-    tl.store(out_ptr + token * stride_ot + row[:, None] * stride_oh + d[None, :], acc.to(out_ptr.dtype.element_ty),
-             mask=io_mask)
+    tl.store(out_ptr + token * stride_ot + (head * G + g[:, None]) * stride_oh + d[None, :],
+             acc.to(out_ptr.dtype.element_ty), mask=io_mask)
 # fmt: on
 
 
@@ -278,12 +281,11 @@ def merge_chunk(
     num_tokens, num_q_heads, head_dim = out.shape
     num_kv_heads, _, topk = selection.shape
     token_offset = chunk * plan.csr.chunk_tokens
-    _merge_kernel[(min(plan.csr.chunk_tokens, num_tokens - token_offset),)](
+    _merge_kernel[(min(plan.csr.chunk_tokens, num_tokens - token_offset), num_kv_heads)](
         plan.part_o, plan.part_lse, selection, metadata.positions, out,
         token_offset, selection.stride(0), selection.stride(1), out.stride(0), out.stride(1),
-        HKV=num_kv_heads, G=num_q_heads // num_kv_heads, HQP=triton.next_power_of_2(num_q_heads), D=head_dim,
-        DP=max(16, triton.next_power_of_2(head_dim)), B=metadata.block_size, K=topk, KP=triton.next_power_of_2(topk),
-        **merge_launch(plan.tuning),
+        HKV=num_kv_heads, B=metadata.block_size, K=topk, KP=triton.next_power_of_2(topk),
+        **padded_dims(num_q_heads, num_kv_heads, head_dim), **merge_launch(plan.tuning),
     )  # fmt: skip
 
 
