@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from m3stack import options
+from m3stack.gateway.multimodal import limits as media_limits
 from m3stack.options import OptionGroup
 
 if TYPE_CHECKING:
@@ -58,11 +59,7 @@ def add_arguments(opts: OptionGroup) -> None:
         default=None,
         help="processes for image/video preprocessing (default: one per core; 0 turns media input off)",
     )
-    opts.add(
-        "--media-allowed-domains", help="comma-separated hosts media URLs may come from (default: any public host)"
-    )
-    opts.flag("--media-allow-private-networks", help="allow media URLs on loopback/private addresses (local use only)")
-    opts.add("--media-local-dir", help="folder whose files may be given as file:// media URLs")
+    media_limits.add_arguments(opts)
     opts.add("--drain-timeout", type=options.non_negative_float, default=30.0, help="seconds open streams get on stop")
     opts.flag("--access-log", help="log every HTTP request")
 
@@ -72,7 +69,6 @@ def build_config(args: argparse.Namespace) -> "GatewayConfig":
     from m3stack.gateway.engines.breaker import BreakerSettings
     from m3stack.gateway.engines.client import ProbeSettings
     from m3stack.gateway.engines.discovery import format_address
-    from m3stack.gateway.multimodal import MediaLimits
 
     if not args.model:
         raise ValueError("--model is required: the model folder with tokenizer.json and the chat template")
@@ -96,11 +92,7 @@ def build_config(args: argparse.Namespace) -> "GatewayConfig":
         breaker=BreakerSettings(failure_threshold=args.breaker_failures, open_s=args.breaker_open),
         probe=ProbeSettings(interval_s=args.health_interval, timeout_s=args.health_timeout),
         media_workers=args.media_workers,
-        media_limits=MediaLimits(
-            allowed_domains=tuple(d.strip() for d in (args.media_allowed_domains or "").split(",") if d.strip()),
-            allow_private_networks=args.media_allow_private_networks,
-            local_media_dir=args.media_local_dir,
-        ),
+        media_limits=media_limits.from_args(args),
     )
 
 

@@ -109,7 +109,11 @@ _FLAGS: dict[str, tuple[str, Callable[[str], object], str]] = {
     "fetch_timeout_s": ("--media-fetch-timeout", options.positive_float, "seconds for one media download"),
     "connect_timeout_s": ("--media-connect-timeout", options.positive_float, "seconds to connect to a media host"),
     "max_redirects": ("--media-max-redirects", options.non_negative_int, "redirects followed per media URL"),
-    "allowed_domains": ("--media-allowed-domains", _domain_list, "comma-separated hosts (and subdomains); empty: any"),
+    "allowed_domains": (
+        "--media-allowed-domains",
+        _domain_list,
+        "comma-separated hosts (and their subdomains) media URLs may come from (default: any public host)",
+    ),
     "local_media_dir": ("--media-local-dir", str, "folder that file:// media URLs may read from (off when unset)"),
     "max_image_pixels": ("--media-max-image-pixels", options.positive_int, "largest decoded image, width*height"),
     "max_video_frame_pixels": ("--media-max-video-frame-pixels", options.positive_int, "largest video frame"),
@@ -126,11 +130,15 @@ def add_arguments(opts: OptionGroup) -> None:
     """Register the media flags (and their ``M3STACK_GATEWAY_MEDIA_*`` variables) on the gateway's parser."""
     defaults = MediaLimits()
     for name, (flag, kind, help_text) in _FLAGS.items():
-        opts.add(flag, type=kind, default=getattr(defaults, name), help=help_text)
+        default = getattr(defaults, name)
+        # An empty allowlist is shown by the help text, not as "(default: ())"; from_args maps None back.
+        opts.add(flag, type=kind, default=None if default == () else default, help=help_text)
     opts.flag("--media-allow-private-networks", help="allow media URLs that resolve to loopback or private addresses")
 
 
 def from_args(args: argparse.Namespace) -> MediaLimits:
+    """The limits the flags of ``add_arguments`` (or their variables) set; an unset flag keeps the default."""
     values = {name: getattr(args, flag.lstrip("-").replace("-", "_")) for name, (flag, _, _) in _FLAGS.items()}
+    values = {name: value for name, value in values.items() if value is not None}
     values["allow_private_networks"] = args.media_allow_private_networks
     return MediaLimits(**values)
