@@ -87,3 +87,22 @@ def test_validators_reject_bad_values(validator, text):
 
 def test_env_name():
     assert options.env_name("engine", "--kv-offload-gb") == "M3STACK_ENGINE_KV_OFFLOAD_GB"
+
+
+HEAVY_MODULES = ("av", "PIL", "torch", "numpy")
+
+
+def test_building_every_parser_imports_no_heavy_library():
+    # Every subcommand's parser is built at startup, the gateway's with all the media limit flags, so the
+    # media pipeline's libraries must stay out until a command runs.
+    code = (
+        "import sys, m3stack.cli\n"
+        "m3stack.cli.build_parser().parse_args(['gateway', '--media-max-images', '3'])\n"
+        "print('m3stack.gateway.multimodal.limits' in sys.modules)\n"
+        f"print(*sorted(m for m in {HEAVY_MODULES!r} if m in sys.modules))\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    limits_loaded, *loaded = result.stdout.split()
+    assert loaded == [], f"building the parsers imported {loaded}"
+    assert limits_loaded == "True", "the gateway's media flags no longer come from multimodal/limits.py"
