@@ -8,6 +8,14 @@ model, and samples on the device.  Pure-decode batches replay a captured CUDA gr
 tokens.  Between the two the host can schedule and launch the next step (async scheduling): that
 step's inputs may hold placeholders for tokens the previous step is still sampling, and the runner
 fills them on the device from the previous step's output, so the host never waits for them.
+
+Order with one step in flight (``EngineCore.step``): schedule N+1, ``launch`` N+1 (inputs, staging,
+attention planning, placeholder fill, graph replay or eager forward, sampling, the copy of its tokens
+to pinned memory) while the device still runs step N, then ``finish`` N, which waits on an event
+after N's token copy only.  Nothing in ``launch`` may synchronize with the device: every host-to-device
+copy goes from pinned memory (a pageable one may wait for the stream), and the only waits are on
+events of copies the device has already reached (``_wait_inputs_consumed``).  So the host's prepare
+of N+1 runs under N's forward, and the device starts N+1 as soon as N ends.
 """
 
 import logging
@@ -124,6 +132,7 @@ class ModelRunner:
         on_device = sample_on_device(logits, batch)
         if events:
             events[1].record()
+        on_device.start_copy()  # finish() waits for this copy, not for the steps launched after this one
         self._previous_tokens = on_device.token_ids
         self._previous_rows = {request.request_id: row for row, request in enumerate(host.sampling_requests)}
         return LaunchedStep(host.sampling_requests, batch, on_device, prepare_s, events)
@@ -139,16 +148,23 @@ class ModelRunner:
         return {request.request_id: token for request, token in zip(step.sampling_requests, tokens, strict=True)}
 
     def _fill_placeholders(self, input_ids: torch.Tensor, host: HostInputs) -> None:
-        """Write the tokens the previous step sampled into the rows that stand for them (on the device)."""
-        if not len(host.placeholder_rows):
+        """Write the tokens the previous step sampled into the rows that stand for them (on the device).
+
+        The (row, source) pairs go up from pinned memory without blocking: a copy from pageable memory, or
+        ``torch.tensor(..., device=...)``, waits for the stream, i.e. for the step still in flight."""
+        count = len(host.placeholder_rows)
+        if not count:
             return
         try:
             sources = [self._previous_rows[request_id] for request_id in host.placeholder_requests]
         except KeyError as missing:
             raise RuntimeError(f"request {missing} has a placeholder the previous step did not sample") from None
         assert self._previous_tokens is not None
-        rows = torch.from_numpy(host.placeholder_rows).to(self.device, non_blocking=True)
-        input_ids[rows] = self._previous_tokens[torch.tensor(sources, device=self.device)]
+        pairs = torch.empty((2, count), dtype=torch.int64, pin_memory=self.device.type == "cuda")
+        pairs[0] = torch.from_numpy(host.placeholder_rows)
+        pairs[1] = torch.tensor(sources, dtype=torch.int64)
+        rows, sources_on_device = pairs.to(self.device, non_blocking=True)
+        input_ids.index_copy_(0, rows, self._previous_tokens.index_select(0, sources_on_device))
 
     def _forward(
         self, host: HostInputs, start: float, launched: torch.cuda.Event | None

@@ -11,7 +11,7 @@ before temperature and filtering, as OpenAI-compatible servers report them.
 """
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -39,7 +39,8 @@ class SamplingBatch:
 
 
 def _tensor(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
+    # Pinned on CUDA: a copy from pageable memory may wait for the stream (the step in flight).
+    return torch.tensor(values, dtype=dtype, pin_memory=device.type == "cuda").to(device, non_blocking=True)
 
 
 def build_sampling_batch(requests: Sequence[Request], vocab_size: int, device: torch.device) -> SamplingBatch:
@@ -116,27 +117,51 @@ def _random_sample(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
 
 @dataclass
 class DeviceSample:
-    """A step's sampling results still on the device (``to_host`` synchronizes)."""
+    """A step's sampling results still on the device (``to_host`` synchronizes).
+
+    ``start_copy`` enqueues the copy of the results to pinned host memory right after the sampling and
+    records an event; ``to_host`` then waits for that event only.  A plain ``.tolist()`` of a CUDA tensor
+    synchronizes the whole stream, i.e. also waits for the next step's forward that async scheduling
+    has already enqueued behind this one, and the host would then prepare every step on an idle GPU.
+    """
 
     token_ids: torch.Tensor  # [n] int64
     chosen_logprobs: torch.Tensor | None  # [n]
     top_logprobs: torch.Tensor | None  # [n, k]
     top_ids: torch.Tensor | None  # [n, k]
+    _on_host: tuple[torch.Tensor | None, ...] | None = field(default=None, init=False, repr=False)
+    _copied: torch.cuda.Event | None = field(default=None, init=False, repr=False)
+
+    def start_copy(self) -> None:
+        """Enqueue the device-to-host copy of the results (CUDA; on other devices ``to_host`` reads them directly)."""
+        if not self.token_ids.is_cuda:
+            return
+        tensors = (self.token_ids, self.chosen_logprobs, self.top_logprobs, self.top_ids)
+        # non_blocking into CPU gives pinned destinations, so the copies are asynchronous.
+        self._on_host = tuple(t.to("cpu", non_blocking=True) if t is not None else None for t in tensors)
+        self._copied = torch.cuda.Event()
+        self._copied.record()
 
     def to_host(self, batch: SamplingBatch) -> list[SampledToken]:
-        results = [SampledToken(token_id=t) for t in self.token_ids.tolist()]
-        if self.chosen_logprobs is None:
+        tensors = (self.token_ids, self.chosen_logprobs, self.top_logprobs, self.top_ids)
+        if self._copied is not None and self._on_host is not None:
+            self._copied.synchronize()
+            tensors = self._on_host
+        token_ids, chosen_logprobs, top_logprobs, top_ids = tensors
+        assert token_ids is not None
+        results = [SampledToken(token_id=t) for t in token_ids.tolist()]
+        if chosen_logprobs is None:
             return results
-        chosen = self.chosen_logprobs.tolist()
-        top_values = self.top_logprobs.tolist() if self.top_logprobs is not None else []
-        top_ids = self.top_ids.tolist() if self.top_ids is not None else []
+        chosen = chosen_logprobs.tolist()
+        top_values = top_logprobs.tolist() if top_logprobs is not None else []
+        top_id_rows = top_ids.tolist() if top_ids is not None else []
         for row, result in enumerate(results):
             if not batch.wants_logprobs[row]:
                 continue
             result.logprob = chosen[row]
             count = batch.num_top_logprobs[row]
             if count:
-                result.top_token_ids = top_ids[row][:count]
+                result.top_token_ids = top_id_rows[row][:count]
                 result.top_logprobs = top_values[row][:count]
         return results
 
