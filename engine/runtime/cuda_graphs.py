@@ -16,7 +16,6 @@ eagerly and a warning says why.
 
 import logging
 
-import numpy as np
 import torch
 
 from m3stack.engine.attention.backend import AttentionBackend
@@ -34,24 +33,38 @@ def capture_sizes(max_batch: int) -> list[int]:
 
 
 class PaddedDecodeBuffers:
-    """Persistent inputs of padded decode batches and the ``AttentionMetadata`` views over them."""
+    """Persistent inputs of padded decode batches and the ``AttentionMetadata`` views over them.
+
+    The device inputs are views of two blocks, int64 (input ids, positions, slots) and int32 (context
+    lengths, then the page table), each mirrored by a pinned host block: a step writes its rows into
+    the mirrors with numpy and goes up in two asynchronous copies (a copy from pageable memory may wait
+    for the step in flight).  The caller must not restage before the previous step's copies ran
+    (``ModelRunner`` waits on an event for that).
+    """
 
     def __init__(self, device: torch.device, *, block_size: int, max_batch: int, max_model_len: int) -> None:
         self.device = device
         self.block_size = block_size
         self.max_batch = max_batch
         self.max_pages = -(-max_model_len // block_size)
-        self.input_ids = torch.zeros(max_batch, dtype=torch.int64, device=device)
-        self.positions = torch.zeros(max_batch, dtype=torch.int64, device=device)
-        self.slot_mapping = torch.full((max_batch,), -1, dtype=torch.int64, device=device)
-        self.seq_lens = torch.ones(max_batch, dtype=torch.int32, device=device)
-        self.query_start_loc = torch.arange(max_batch + 1, dtype=torch.int32, device=device)
-        self.page_table = torch.full((max_batch, self.max_pages), NULL_BLOCK_ID, dtype=torch.int32, device=device)
-        self.query_start_loc_cpu = torch.arange(max_batch + 1, dtype=torch.int32)
-        # Host staging for one copy per tensor per step (pinned on cuda, so the copies are asynchronous).
         pin = device.type == "cuda"
-        self._staged = torch.empty((4, max_batch), dtype=torch.int64, pin_memory=pin)
-        self._seq_lens_cpu = torch.ones(max_batch, dtype=torch.int32)
+        wide = torch.zeros((3, max_batch), dtype=torch.int64)
+        wide[2] = -1  # padding rows: slot -1, never stored
+        narrow = torch.full((max_batch * (1 + self.max_pages),), NULL_BLOCK_ID, dtype=torch.int32)
+        narrow[:max_batch] = 1  # padding rows: context 1 on the null page
+        self._wide_host = wide.pin_memory() if pin else wide
+        self._narrow_host = narrow.pin_memory() if pin else narrow
+        self._wide = self._wide_host.to(device, copy=True)
+        self._narrow = self._narrow_host.to(device, copy=True)
+        self.input_ids, self.positions, self.slot_mapping = self._wide.unbind(0)
+        self.seq_lens = self._narrow[:max_batch]
+        self.page_table = self._narrow[max_batch:].view(max_batch, self.max_pages)
+        self.query_start_loc = torch.arange(max_batch + 1, dtype=torch.int32, device=device)
+        self.query_start_loc_cpu = torch.arange(max_batch + 1, dtype=torch.int32)
+        self._ids_host = self._wide_host.numpy()
+        self._seq_lens_host = self._narrow_host[:max_batch].numpy()
+        self._table_host = self._narrow_host[max_batch:].view(max_batch, self.max_pages).numpy()
+        self._table_width = 0  # columns of the host page table that may hold real pages
 
     def fits(self, host: HostInputs) -> bool:
         num_requests = len(host.seq_lens)
@@ -65,25 +78,22 @@ class PaddedDecodeBuffers:
 
     def stage(self, host: HostInputs, size: int) -> AttentionMetadata:
         """Copy a decode step of R <= ``size`` requests into the buffers, padding rows R..size-1."""
-        count = len(host.seq_lens)
-        staged = self._staged[:, :size]
-        staged[0, :count] = torch.from_numpy(host.input_ids)
-        staged[1, :count] = torch.from_numpy(host.positions)
-        staged[2, :count] = torch.from_numpy(host.slot_mapping)
-        staged[3, :count] = torch.from_numpy(host.seq_lens.astype(np.int64))
-        staged[0:2, count:] = 0
-        staged[2, count:] = -1
-        staged[3, count:] = 1
-        on_device = staged.to(self.device, non_blocking=True)
-        self.input_ids[:size].copy_(on_device[0])
-        self.positions[:size].copy_(on_device[1])
-        self.slot_mapping[:size].copy_(on_device[2])
-        self.seq_lens[:size].copy_(on_device[3])
-        self.page_table[:size].fill_(NULL_BLOCK_ID)
-        width = host.page_table.shape[1]
-        self.page_table[:count, :width].copy_(torch.from_numpy(host.page_table), non_blocking=True)
-        self._seq_lens_cpu[:count] = torch.from_numpy(host.seq_lens)
-        self._seq_lens_cpu[count:size] = 1
+        count, width = len(host.seq_lens), host.page_table.shape[1]
+        ids = self._ids_host
+        ids[0, :count] = host.input_ids
+        ids[1, :count] = host.positions
+        ids[2, :count] = host.slot_mapping
+        ids[0:2, count:size] = 0
+        ids[2, count:size] = -1
+        self._seq_lens_host[:count] = host.seq_lens
+        self._seq_lens_host[count:size] = 1
+        table = self._table_host
+        table[:size, : max(width, self._table_width)] = NULL_BLOCK_ID  # what a wider earlier batch left
+        table[:count, :width] = host.page_table
+        self._table_width = max(width, self._table_width)
+        self._wide.copy_(self._wide_host, non_blocking=True)
+        used = self.max_batch + size * self.max_pages
+        self._narrow[:used].copy_(self._narrow_host[:used], non_blocking=True)
         return self.metadata(size)
 
     def metadata(self, size: int) -> AttentionMetadata:
@@ -95,7 +105,7 @@ class PaddedDecodeBuffers:
             slot_mapping=self.slot_mapping[:size],
             page_table=self.page_table[:size],
             query_start_loc_cpu=self.query_start_loc_cpu[: size + 1],
-            seq_lens_cpu=self._seq_lens_cpu[:size].clone(),
+            seq_lens_cpu=torch.from_numpy(self._seq_lens_host[:size].copy()),
         )
 
 
