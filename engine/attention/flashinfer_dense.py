@@ -8,6 +8,7 @@ fixed addresses (one instance per captured batch size), and only pure decode of 
 requests may be planned.
 """
 
+import numpy as np
 import torch
 
 from m3stack.engine.attention.metadata import AttentionMetadata
@@ -22,17 +23,23 @@ _MIN_GRAPH_PAGES = 1024
 
 def dense_page_lists(metadata: AttentionMetadata, block_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Every request's pages concatenated: ``indptr`` ``[R + 1]`` (host), ``indices`` (device) and
-    ``last_page_len`` ``[R]`` (host), all int32."""
-    seq_lens = metadata.seq_lens_cpu.to(torch.int64)
+    ``last_page_len`` ``[R]`` (host), all int32.
+
+    Built with numpy; the page ids are gathered from the device page table by flat index, which goes up
+    from pinned memory (a copy from pageable memory may wait for the step in flight)."""
+    seq_lens = metadata.seq_lens_cpu.numpy().astype(np.int64)
     pages = (seq_lens + block_size - 1) // block_size
-    indptr = torch.zeros(metadata.num_requests + 1, dtype=torch.int32)
-    torch.cumsum(pages, 0, out=indptr[1:])
-    last_page_len = ((seq_lens - 1) % block_size + 1).to(torch.int32)
-    request = torch.repeat_interleave(torch.arange(metadata.num_requests), pages)
-    local = torch.arange(int(indptr[-1])) - indptr[:-1].to(torch.int64)[request]
-    device = metadata.page_table.device
-    indices = metadata.page_table[request.to(device, non_blocking=True), local.to(device, non_blocking=True)]
-    return indptr, indices, last_page_len
+    indptr = np.zeros(len(seq_lens) + 1, dtype=np.int32)
+    np.cumsum(pages, out=indptr[1:])
+    last_page_len = ((seq_lens - 1) % block_size + 1).astype(np.int32)
+    page_table = metadata.page_table
+    # Page i of request r sits at r * width + i of the flattened table.
+    row_offsets = np.arange(len(seq_lens), dtype=np.int64) * page_table.shape[1] - indptr[:-1]
+    flat = torch.from_numpy(np.arange(int(indptr[-1]), dtype=np.int64) + np.repeat(row_offsets, pages))
+    if page_table.is_cuda:
+        flat = flat.pin_memory()
+    indices = page_table.reshape(-1)[flat.to(page_table.device, non_blocking=True)]
+    return torch.from_numpy(indptr), indices, torch.from_numpy(last_page_len)
 
 
 class FlashInferDense:

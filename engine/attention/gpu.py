@@ -26,10 +26,12 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 
 from m3stack.engine.attention.flashinfer_dense import FLASHINFER_HEAD_DIMS, FlashInferDense
 from m3stack.engine.attention.metadata import AttentionMetadata
+from m3stack.engine.attention.pure_decode_plan import plan_pure_decode
 from m3stack.engine.kv_cache.tensors import LayerKVCache
 from m3stack.engine.msa.decode_attention import (
     WORKSPACE_BYTES,
@@ -69,6 +71,7 @@ class _DecodeSlot:
     graphs captured for that size replay over it (engine.runtime.cuda_graphs)."""
 
     token_request: torch.Tensor  # arange(R) int32
+    token_request_cpu: torch.Tensor  # the same on the host (what the plan buffers are filled from)
     plan_buffers: DecodePlanBuffers | None  # None without MSA layers
     dense_flashinfer: FlashInferDense | None
     sparse_flashinfer: FlashInferSparseDecode | None
@@ -151,9 +154,11 @@ class GpuAttentionBackend:
         block_size = self.kv_caches[0].key.shape[2]
         if metadata.block_size != block_size:
             raise ValueError(f"metadata block_size {metadata.block_size} != cache page size {block_size}")
-        over = metadata.query_lens_cpu > metadata.seq_lens_cpu
-        if bool(over.any()):
-            raise ValueError(f"requests {over.nonzero().flatten().tolist()} add more tokens than their context")
+        # numpy, not torch: a handful of torch CPU ops on tiny tensors costs tens of microseconds a step.
+        query_lens = np.diff(metadata.query_start_loc_cpu.numpy())
+        over = np.flatnonzero(query_lens > metadata.seq_lens_cpu.numpy())
+        if len(over):
+            raise ValueError(f"requests {over.tolist()} add more tokens than their context")
         self._metadata = metadata
         self._step = None
         if self.num_q_heads is not None:
@@ -174,6 +179,7 @@ class GpuAttentionBackend:
             buffers = DecodePlanBuffers(num_requests, shape, self.device) if shape is not None else None
             slot = _DecodeSlot(
                 token_request=torch.arange(num_requests, dtype=torch.int32, device=self.device),
+                token_request_cpu=torch.arange(num_requests, dtype=torch.int32),
                 plan_buffers=buffers,
                 dense_flashinfer=FlashInferDense(self._workspace, num_requests) if self.use_flashinfer else None,
                 sparse_flashinfer=(FlashInferSparseDecode(self.device, self._workspace, buffers)
@@ -210,9 +216,14 @@ class GpuAttentionBackend:
             dense_fi.plan(metadata, num_q_heads, key_cache)
         decode = None
         offload_prefill = self.offload is not None and self.offload.needs_prefill_path()
-        if shape is not None and metadata.max_query_len * num_kv_heads <= MAX_DECODE_COLUMNS and not offload_prefill:
-            decode = plan_sparse_decode(metadata, shape, self.device, buffers=buffers,
-                                        scan_programs_per_sm=self.decode_tuning.scan_programs_per_sm)  # fmt: skip
+        max_query_len = 1 if slot is not None else metadata.max_query_len
+        if shape is not None and max_query_len * num_kv_heads <= MAX_DECODE_COLUMNS and not offload_prefill:
+            programs_per_sm = self.decode_tuning.scan_programs_per_sm
+            if slot is not None and buffers is not None:  # pure decode: the same plan, in a few numpy ops
+                decode = plan_pure_decode(metadata, shape, buffers, slot.token_request_cpu, programs_per_sm)
+            else:
+                decode = plan_sparse_decode(metadata, shape, self.device, buffers=buffers,
+                                            scan_programs_per_sm=programs_per_sm)  # fmt: skip
             if sparse_fi is not None:
                 sparse_fi.plan(decode, key_cache.dtype, head_dim**-0.5)
         return _StepPlan(dense_rows, dense_fi, decode, sparse_fi, slot)
