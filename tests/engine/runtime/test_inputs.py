@@ -2,6 +2,7 @@
 
 import random
 
+import numpy as np
 import torch
 
 from m3stack.engine.runtime.encoder_cache import EncoderCache
@@ -63,3 +64,35 @@ def test_rows_positions_slots_and_pages_match_a_token_by_token_rebuild(new_reque
             assert torch.equal(device_inputs.mm_embeds, embeds[positions - image.first_embed])
         scheduler.update(out, {s.request.request_id: SampledToken(1) for s in out.requests if s.samples})
     assert steps_with_images == 1
+
+
+def test_plain_decode_inputs_equal_the_general_layout(new_request):
+    """The decode fast path against the general builder, over steps that cross page boundaries and carry
+    placeholders (each step is scheduled before the previous one's tokens are applied, as with async scheduling)."""
+    from m3stack.engine.runtime.inputs import _mixed_inputs, _plain_decode_inputs
+
+    rng = random.Random(5)
+    scheduler = Scheduler(
+        SchedulerConfig(max_model_len=64, max_num_seqs=8, max_num_batched_tokens=64),
+        KVCacheManager(64, BLOCK),
+        EncoderCache(64),
+    )
+    for n in (1, 3, 4, 7, 9):
+        scheduler.add_request(new_request([rng.randrange(100) for _ in range(n)], max_tokens=16))
+    previous = scheduler.schedule()  # the prefill
+    decode_steps = 0
+    for _ in range(9):
+        out = scheduler.schedule()
+        if all(s.num_new_tokens == 1 and s.samples for s in out.requests):
+            decode_steps += 1
+            fast, general = _plain_decode_inputs(out.requests, BLOCK), _mixed_inputs(out.requests, BLOCK)
+            assert len(fast.placeholder_rows) == len(out.requests)
+            for name, value in vars(general).items():
+                if isinstance(value, np.ndarray):
+                    assert value.dtype == getattr(fast, name).dtype, name
+                    assert np.array_equal(value, getattr(fast, name)), name
+                else:
+                    assert value == getattr(fast, name), name
+        scheduler.update(previous, {s.request.request_id: SampledToken(7) for s in previous.requests if s.samples})
+        previous = out
+    assert decode_steps >= 8
