@@ -1,0 +1,99 @@
+"""bench.serving on CPU at tiny shapes: the real engine server on loopback, the real gRPC client, every config.
+
+On CPU configs a and d take the reference attention backend (the Triton kernels only run interpreted here, minutes
+per request), so a against d is offload off against offload on over the same attention: the greedy tokens must
+be equal, and the long request must really have moved KV blocks to the host and read them back.
+"""
+
+import json
+import xml.etree.ElementTree as ET
+
+from bench import serving
+
+PREFIX, SUFFIX, OUTPUT, BLOCK = 256, 32, 4, 16  # the tiny model's MSA blocks are 16 tokens
+SHAPES = ["--device", "cpu", "--model", "tiny", "--prefix-tokens", str(PREFIX), "--suffix-tokens", str(SUFFIX),
+          "--output-tokens", str(OUTPUT), "--concurrency", "1,2", "--requests-per-point", "3", "--warmup-tokens",
+          "32"]  # fmt: skip
+
+
+def _warm(rows: list[dict]) -> dict[tuple[str, int], dict]:
+    return {(r["config"], r["concurrency"]): r for r in rows if r["phase"] == "warm"}
+
+
+def test_every_config_and_concurrency_measured_offload_gives_the_same_tokens(tmp_path):
+    bench = serving.run([*SHAPES, "--long-context", "768", "--long-output-tokens", "8", "--budget-s", "120",
+                         "--out", str(tmp_path)])  # fmt: skip
+    payload = json.loads((tmp_path / "serving.json").read_text())
+    assert {"device", "date", "command", "rows", "ratios", "targets"} <= set(payload)
+    rows = payload["rows"]
+    warm = _warm(rows)
+    assert set(warm) == {(c, n) for c in "abcd" for n in (1, 2)}
+    for (config, concurrency), row in warm.items():
+        assert "error" not in row and "skipped" not in row, row
+        assert row["requests"] == max(concurrency, 3)
+        assert row["output_tokens"] == row["requests"] * OUTPUT
+        assert row["output_tok_s"] > 0 and row["ttft_p50_ms"] > 0 and row["itl_p50_ms"] > 0
+        # Every warm request finds the whole (block-aligned) shared prefix cached and nothing of its suffix.
+        assert row["prefix_hit_rate"] == PREFIX / (PREFIX + SUFFIX), (config, row)
+        assert row["offload"] == (config == "d")
+    cold = [r for r in rows if r["phase"] == "cold"]
+    assert sorted(r["config"] for r in cold) == list("abcd") and all(r["prefix_hit_rate"] == 0 for r in cold)
+
+    expected_keys = {"cold", "long"} | {f"c{c}-{i}" for c in (1, 2) for i in range(3)}
+    assert set(bench.tokens["a"]) == set(bench.tokens["d"]) == expected_keys
+    assert all(len(bench.tokens["a"][key]) == (8 if key in ("cold", "long") else OUTPUT) for key in expected_keys)
+    assert bench.tokens["d"] == bench.tokens["a"]
+    assert payload["greedy_agreement"]["d_vs_a"] == {"requests": len(expected_keys), "equal": len(expected_keys)}
+
+    long = {r["config"]: r for r in rows if r["phase"] == "long"}
+    assert set(long) == {"a", "d"} and long["a"]["decode_tok_s"] > 0
+    offloaded = long["d"]
+    assert offloaded["context"] == 768 and offloaded["output_tokens"] == 8
+    # 768 tokens are 48 blocks; the offload config keeps fewer on the device, the rest went to the host and back.
+    assert payload["engines"]["d-long"]["num_kv_blocks"] < 768 // BLOCK
+    assert offloaded["offload_spilled_blocks"] > 0 and offloaded["offload_spill_bytes"] > 0
+    assert offloaded["offload_miss_bytes"] > 0 and offloaded["offload_staged_bytes"] > 0
+    assert 0 <= offloaded["offload_hit_rate"] < 1
+
+    assert set(payload["ratios"]["a_over_c"]) == set(payload["ratios"]["a_over_b"]) == {"1", "2"}
+    plot = ET.parse(tmp_path / payload["plot"]).getroot()
+    assert plot.tag.endswith("svg") and len(plot.findall(".//{http://www.w3.org/2000/svg}polyline")) == 3 * 4
+
+
+def test_points_past_the_budget_are_skipped_and_the_results_still_written(tmp_path):
+    bench = serving.run([*SHAPES, "--configs", "b,c", "--long-context", "0", "--budget-s", "2.5",
+                         "--out", str(tmp_path)])  # fmt: skip
+    rows = json.loads((tmp_path / "serving.json").read_text())["rows"]
+    assert rows == bench.rows
+    assert set(_warm(rows)) == {(c, n) for c in "bc" for n in (1, 2)}
+    assert all(r["skipped"] == "budget" and "error" not in r for r in _warm(rows).values())
+
+
+def test_a_failing_config_records_its_error_and_the_others_still_run(tmp_path, capsys):
+    # One host block and 4 device blocks of 16 tokens cannot hold a 292-token context: config d cannot start.
+    code = serving.main([*SHAPES, "--configs", "d,b", "--long-context", "0", "--offload-device-blocks", "4",
+                         "--offload-gb", "1e-6", "--budget-s", "60", "--out", str(tmp_path)])  # fmt: skip
+    assert code == 1
+    warm = _warm(json.loads((tmp_path / "serving.json").read_text())["rows"])
+    assert all("capacity" in warm[("d", n)]["error"] for n in (1, 2))
+    assert all(warm[("b", n)]["output_tokens"] == warm[("b", n)]["requests"] * OUTPUT for n in (1, 2))
+    assert capsys.readouterr().out.rstrip().splitlines()[-1].startswith("| b | warm | 2 |")
+
+
+def test_summaries_of_known_results():
+    results = [
+        serving.RequestResult("x", [1, 2, 3], 0.1, [0.01, 0.03], 0.2, 100, 80, [0.1, 0.11, 0.14]),
+        serving.RequestResult("y", [4, 5, 6], 0.3, [0.02, 0.02], 0.4, 100, 0, [0.3, 0.32, 0.34]),
+    ]
+    row = serving.summarize(results, seconds=2.0)
+    assert row["requests"] == 2 and row["output_tokens"] == 6 and row["output_tok_s"] == 3.0
+    assert row["ttft_p50_ms"] == 200.0 and abs(row["itl_p50_ms"] - 20.0) < 1e-9 and row["prefix_hit_rate"] == 0.4
+    assert serving.decode_rate([0.0, 1.0, 1.5, 2.0], 1, 3) == 2.0 and serving.decode_rate([0.0], 0, 5) is None
+    rows = [{"phase": "warm", "config": c, "concurrency": n, "output_tok_s": v}
+            for c, n, v in [("a", 1, 10.0), ("c", 1, 4.0), ("a", 2, 18.0), ("c", 2, 12.0), ("b", 1, 5.0)]]  # fmt: skip
+    assert serving.ratios(rows, "a", "c") == {"1": 2.5, "2": 1.5} and serving.ratios(rows, "a", "b") == {"1": 2.0}
+    workload = serving.Workload(60_000, 2048, 512, 1000)
+    targets = serving.target_report(rows, workload, [1, 2])
+    assert targets["a_over_c_ge_1.8_every_concurrency"] is False and targets["a_over_b_ge_2_at_60k"] is True
+    assert serving.target_report(rows, workload, [1, 2, 4])["a_over_c_ge_1.8_every_concurrency"] is None
+    assert targets["offload_miss_copy_ge_40_gbps"] is None
