@@ -27,6 +27,8 @@ rewritten after every point; a config that fails records ``"error"`` in its rows
     python -m bench.serving [--out DIR] [--budget-s 600] [--configs a,b,c,d] [--concurrency 1,2,4,8,16,32,64]
 """
 
+from __future__ import annotations
+
 import argparse
 import asyncio
 import contextlib
@@ -34,31 +36,32 @@ import dataclasses
 import gc
 import logging
 import math
+import multiprocessing
 import random
 import sys
 import time
 from collections.abc import AsyncIterator, Callable
+from multiprocessing.connection import Connection
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import grpc
 import numpy as np
-import torch
 
 from bench.common import markdown_table, write_results
-from m3stack.engine.model.config import M3Config
-from m3stack.engine.model.model import M3ForServing
-from m3stack.engine.offload.assembly import OffloadSettings, resolve_hot_blocks
-from m3stack.engine.offload.layout import host_bytes_per_block
 from m3stack.engine.offload.metrics import OffloadStats
 from m3stack.engine.proto import engine_pb2 as pb
 from m3stack.engine.proto import engine_pb2_grpc
-from m3stack.engine.runtime.builder import assemble_engine_core
 from m3stack.engine.runtime.config import EngineConfig
-from m3stack.engine.runtime.engine_core import EngineCore, EngineStats
-from m3stack.engine.server.async_engine import AsyncEngine
-from m3stack.engine.server.grpc_server import GrpcServer, GrpcSettings
 from m3stack.gateway.engines.client import CHANNEL_OPTIONS
+
+# torch and the engine are imported where they are used: the client process imports this module without them.
+if TYPE_CHECKING:
+    import torch
+
+    from m3stack.engine.model.config import M3Config
+    from m3stack.engine.model.model import M3ForServing
+    from m3stack.engine.runtime.engine_core import EngineCore, EngineStats
 
 logger = logging.getLogger("bench.serving")
 
@@ -74,6 +77,7 @@ TEARDOWN_S = 3.0  # kept back from each share: stopping the server, freeing the 
 FINAL_S = 2.0  # kept back from the whole budget: the last write
 STATS_PERIOD_S = 0.26  # the offload copies its device counters to the host at most every 0.25 s (engine.offload)
 PROGRESS_S = 10.0
+CLIENT_GRACE_S = 30.0  # past a point's deadline, how long the clients' process may take to answer
 
 
 # --- workload ---------------------------------------------------------------------------------------------------
@@ -185,6 +189,77 @@ async def progress(tag: str, state: Callable[[], str]) -> AsyncIterator[None]:
         task.cancel()
 
 
+# --- the clients' process ----------------------------------------------------------------------------------------
+
+
+class ClientProcess:
+    """The closed-loop clients in a process of their own (spawned: it imports neither torch nor the engine), so
+    their Python work takes no GIL time from the engine thread and the server, as with a real load generator."""
+
+    def __init__(self) -> None:
+        context = multiprocessing.get_context("spawn")
+        self._conn, child = context.Pipe()
+        self._process = context.Process(target=_client_main, args=(child,), name="bench-serving-client", daemon=True)
+        self._process.start()
+        child.close()
+        self.alive = True
+
+    async def closed_loop(self, address: str, tag: str, workload: Workload, keys: list[str], concurrency: int,
+                          timeout_s: float) -> tuple[list[RequestResult], float]:  # fmt: skip
+        """The requests' results and the point's wall seconds; ``TimeoutError`` once it ran ``timeout_s``."""
+        self._conn.send((address, tag, workload, keys, concurrency, timeout_s))
+        try:
+            answer = await asyncio.wait_for(asyncio.to_thread(self._conn.recv), timeout_s + CLIENT_GRACE_S)
+        except TimeoutError:
+            self.close()  # it did not stop at its deadline: the next point gets a fresh one
+            raise
+        status, payload, seconds = answer
+        if status != "done":
+            raise TimeoutError if status == "timeout" else RuntimeError(payload)
+        return payload, seconds
+
+    def close(self) -> None:
+        self.alive = False
+        with contextlib.suppress(OSError):
+            self._conn.send(None)
+        self._process.join(5)
+        if self._process.is_alive():
+            self._process.kill()
+            self._process.join()
+        self._conn.close()
+
+
+def _client_main(conn: Connection) -> None:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s (clients): %(message)s")
+    asyncio.run(_serve_points(conn))
+
+
+async def _serve_points(conn: Connection) -> None:
+    """Runs each point the benchmark sends (None: stop) and sends back ``(status, results or message, seconds)``."""
+    address, channel = "", None
+    prefixes: dict[Workload, list[int]] = {}
+    while (command := await asyncio.to_thread(conn.recv)) is not None:
+        point_address, tag, workload, keys, concurrency, timeout_s = command
+        if point_address != address:  # a new config's engine
+            if channel is not None:
+                await channel.close()
+            address, channel = point_address, grpc.aio.insecure_channel(point_address, options=CHANNEL_OPTIONS)
+        prefix = prefixes.setdefault(workload, workload.prefix())
+        prompts = [(key, workload.prompt(prefix, key)) for key in keys]
+        started = time.perf_counter()
+        try:
+            async with asyncio.timeout(timeout_s):
+                stub = engine_pb2_grpc.EngineStub(channel)
+                answer = ("done", await closed_loop(stub, tag, prompts, concurrency, workload.output_tokens))
+        except TimeoutError:
+            answer = ("timeout", None)
+        except Exception as exc:
+            answer = ("error", _describe(exc))
+        conn.send((*answer, time.perf_counter() - started))
+    if channel is not None:
+        await channel.close()
+
+
 # --- summaries (pure) -------------------------------------------------------------------------------------------
 
 
@@ -267,16 +342,20 @@ class ServedEngine:
     """An ``EngineCore`` behind the real gRPC server on a free loopback port, and a client channel to it."""
 
     def __init__(self, core: EngineCore) -> None:
+        from m3stack.engine.server.async_engine import AsyncEngine
+        from m3stack.engine.server.grpc_server import GrpcServer, GrpcSettings
+
         self.core = core
         self.engine = AsyncEngine(core)
         self.server = GrpcServer(self.engine, GrpcSettings(host="127.0.0.1", port=0))
+        self.address = ""
         self.channel: grpc.aio.Channel | None = None
         self.stub: engine_pb2_grpc.EngineStub | None = None
 
-    async def __aenter__(self) -> "ServedEngine":
+    async def __aenter__(self) -> ServedEngine:
         self.engine.start()
-        port = await self.server.start()
-        self.channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}", options=CHANNEL_OPTIONS)
+        self.address = f"127.0.0.1:{await self.server.start()}"
+        self.channel = grpc.aio.insecure_channel(self.address, options=CHANNEL_OPTIONS)
         self.stub = engine_pb2_grpc.EngineStub(self.channel)
         return self
 
@@ -309,6 +388,7 @@ class Bench:
     rows: list[dict[str, Any]] = dataclasses.field(default_factory=list)
     tokens: dict[str, dict[str, list[int]]] = dataclasses.field(default_factory=dict)  # config -> key -> tokens
     extra: dict[str, Any] = dataclasses.field(default_factory=dict)
+    client: ClientProcess | None = None
 
     @property
     def block_size(self) -> int:
@@ -332,11 +412,18 @@ class Bench:
         if self.args.offload_device_blocks:
             return self.args.offload_device_blocks
         own = self.own_blocks(self.workload.output_tokens)
-        hot = resolve_hot_blocks(OffloadSettings(1.0), self.m3.text)
-        return self.prefix_blocks + math.ceil(max(self.args.concurrency) * own / 2) + hot
+        return self.prefix_blocks + math.ceil(max(self.args.concurrency) * own / 2) + self.hot_blocks()
+
+    def hot_blocks(self) -> int:
+        """Device pages of one request's hot buffer (engine.offload's default)."""
+        from m3stack.engine.offload.assembly import OffloadSettings, resolve_hot_blocks
+
+        return resolve_hot_blocks(OffloadSettings(1.0), self.m3.text)
 
     def engine_config(self, name: str, *, max_num_seqs: int, max_model_len: int, device_blocks: int,
                       host_blocks: int) -> EngineConfig:  # fmt: skip
+        from m3stack.engine.offload.layout import host_bytes_per_block
+
         offload_gb, chunk = 0.0, self.args.max_num_batched_tokens
         if CONFIGS[name][1]:
             device_blocks = self.offload_device_blocks()
@@ -344,7 +431,7 @@ class Bench:
             offload_gb = self.args.offload_gb or (host_blocks + 1) * host_bytes_per_block(spec) / 2**30
             # A prefill chunk must fit the free device blocks: blocks spill only once computed, and a first chunk
             # larger than the device would wait for admission forever.
-            room = (device_blocks - resolve_hot_blocks(OffloadSettings(1.0), self.m3.text)) // 4
+            room = (device_blocks - self.hot_blocks()) // 4
             chunk = min(chunk, max(1, room) * self.block_size)
         return EngineConfig(device=self.device.type, dtype=str(self.dtype).removeprefix("torch."),
                             max_num_seqs=max_num_seqs, max_num_batched_tokens=chunk, max_model_len=max_model_len,
@@ -374,6 +461,8 @@ class Bench:
 
 
 def build_core(bench: Bench, config: EngineConfig) -> EngineCore:
+    from m3stack.engine.runtime.builder import assemble_engine_core
+
     core = assemble_engine_core(config, bench.model, bench.m3, model_path=bench.extra["model"], device=bench.device,
                                 dtype=bench.dtype)  # fmt: skip
     if core.offload is not None:
@@ -382,6 +471,8 @@ def build_core(bench: Bench, config: EngineConfig) -> EngineCore:
 
 
 def free_device_memory(device: torch.device) -> None:
+    import torch
+
     gc.collect()
     if device.type == "cuda":
         torch.cuda.synchronize()
@@ -440,7 +531,7 @@ async def run_config(bench: Bench, name: str, share_s: float) -> None:
                 bench.record({**row, "skipped": "budget", "predicted_s": predicted})
                 done.add(concurrency)
                 continue
-            row.update(await measure_point(bench, served, name, concurrency, count, prefix, end))
+            row.update(await measure_point(bench, served, name, concurrency, count, end))
             bench.record(row)
             done.add(concurrency)
             if "e2e_p50_ms" in row:
@@ -461,19 +552,20 @@ async def run_config(bench: Bench, name: str, share_s: float) -> None:
 
 
 async def measure_point(bench: Bench, served: ServedEngine, name: str, concurrency: int, count: int,
-                        prefix: list[int], end: float) -> dict[str, Any]:  # fmt: skip
-    w = bench.workload
-    prompts = [(f"c{concurrency}-{i}", w.prompt(prefix, f"c{concurrency}-{i}")) for i in range(count)]
+                        end: float) -> dict[str, Any]:  # fmt: skip
+    """One closed-loop point, run by the clients' process."""
     before = await served.stats()
+    if bench.client is None or not bench.client.alive:
+        bench.client = ClientProcess()
     started = time.perf_counter()
     try:
-        async with asyncio.timeout(max(0.0, end - time.monotonic())):
-            results = await closed_loop(served.stub, f"{name}-c{concurrency}", prompts, concurrency, w.output_tokens)
+        results, seconds = await bench.client.closed_loop(served.address, f"{name}-c{concurrency}", bench.workload,
+                                                          [f"c{concurrency}-{i}" for i in range(count)], concurrency,
+                                                          max(0.0, end - time.monotonic()))  # fmt: skip
     except TimeoutError:
         seconds = time.perf_counter() - started
         logger.warning("config %s, concurrency %d: cancelled at the budget after %.0f s", name, concurrency, seconds)
         return {"skipped": "budget", "cancelled_after_s": seconds}
-    seconds = time.perf_counter() - started
     after = await served.stats()
     bench.tokens[name].update({r.key: r.tokens for r in results})
     return {**summarize(results, seconds), "preemptions": after.num_preemptions - before.num_preemptions,
@@ -615,6 +707,8 @@ def svg_plot(rows: list[dict[str, Any]], title: str) -> str:
 def load_model(args: argparse.Namespace, device: torch.device, max_len: int
                ) -> tuple[M3ForServing, M3Config, torch.dtype, str]:  # fmt: skip
     """The benchmark model (``--model``) with a position limit of at least ``max_len``; its dtype and a name."""
+    import torch
+
     if args.model == "tiny":
         from m3stack.engine.model.loader import load_model as load_checkpoint
         from m3stack.engine.model.tiny import ensure_tiny_checkpoint
@@ -683,6 +777,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def run(argv: list[str] | None = None) -> Bench:
     """Run the benchmark; returns the rows, the extra fields and every request's tokens (by config and key)."""
+    import torch
+
     started = time.monotonic()
     args = parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
@@ -725,8 +821,7 @@ def run(argv: list[str] | None = None) -> Bench:
 def _note_offload(bench: Bench) -> None:
     """Why the warm points of the offload config may move nothing: a request only spills when its own blocks
     outnumber the hot buffer it must lease (engine.offload.tiered_manager)."""
-    own = bench.own_blocks(bench.workload.output_tokens)
-    hot = resolve_hot_blocks(OffloadSettings(1.0), bench.m3.text)
+    own, hot = bench.own_blocks(bench.workload.output_tokens), bench.hot_blocks()
     bench.extra["offload"] = {"device_blocks": bench.offload_device_blocks(), "own_blocks_per_request": own,
                               "hot_buffer_blocks": hot, "warm_requests_can_spill": own - 1 > hot}  # fmt: skip
 
@@ -741,9 +836,14 @@ async def _run_units(bench: Bench) -> None:
     units: list[tuple[str, float, Callable]] = [(name, 1.0, run_config) for name in args.configs]
     if args.long_context:
         units += [(name, LONG_WEIGHT, run_long) for name in args.long_configs]
-    for index, (name, weight, runner) in enumerate(units):
-        share = max(0.0, bench.deadline - time.monotonic()) * weight / sum(w for _, w, _ in units[index:])
-        await runner(bench, name, share)
+    bench.client = ClientProcess()  # starts while the first engine is built
+    try:
+        for index, (name, weight, runner) in enumerate(units):
+            share = max(0.0, bench.deadline - time.monotonic()) * weight / sum(w for _, w, _ in units[index:])
+            await runner(bench, name, share)
+    finally:
+        if bench.client.alive:
+            bench.client.close()
 
 
 def _write_plot(bench: Bench) -> str:
