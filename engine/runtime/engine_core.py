@@ -75,8 +75,9 @@ class StepReport:
     is_pure_decode: bool
     seconds: float
     schedule_s: float = 0.0
-    execute_s: float = 0.0
-    update_s: float = 0.0
+    execute_s: float = 0.0  # launching this step (input preparation, the forward's and sampling's launch)
+    wait_s: float = 0.0  # waiting for the completed step's tokens (the device's share once async hides the host)
+    update_s: float = 0.0  # applying them (scheduler bookkeeping)
 
 
 class EngineCore:
@@ -128,8 +129,10 @@ class EngineCore:
         else:
             completed = launched
         executed = time.perf_counter()
+        waited = 0.0
         if completed is not None:
-            outputs += self._finish(*completed)
+            finished, waited = self._finish(*completed)
+            outputs += finished
         end = time.perf_counter()
         done = completed[0] if completed is not None else SchedulerOutput()
         return StepReport(
@@ -140,7 +143,8 @@ class EngineCore:
             end - start,
             schedule_s=scheduled - start,
             execute_s=executed - scheduled,
-            update_s=end - executed,
+            wait_s=waited,
+            update_s=end - executed - waited,
         )
 
     def _launch(self, out: SchedulerOutput, outputs: list[RequestOutput]) -> tuple[SchedulerOutput, Any] | None:
@@ -160,12 +164,15 @@ class EngineCore:
             outputs += self._fail_step(out, exc)
         return None
 
-    def _finish(self, out: SchedulerOutput, launched: Any) -> list[RequestOutput]:
+    def _finish(self, out: SchedulerOutput, launched: Any) -> tuple[list[RequestOutput], float]:
+        """The step's outputs, and the seconds spent waiting for its tokens."""
+        start = time.perf_counter()
         try:
             sampled = self.runner.finish(launched)
         except Exception as exc:
-            return self._fail_step(out, exc)
-        return self.scheduler.update(out, sampled)
+            return self._fail_step(out, exc), time.perf_counter() - start
+        waited = time.perf_counter() - start
+        return self.scheduler.update(out, sampled), waited
 
     def _fail_step(self, out: SchedulerOutput, exc: Exception) -> list[RequestOutput]:
         logger.error("step failed; ending its %d requests", len(out.requests), exc_info=exc)
