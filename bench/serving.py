@@ -2,29 +2,38 @@
 
 The engine is built in this process around one random-weight model (M3 attention dims, ``--layers`` layers,
 dense MLPs: ``bench.engine_step.build_model``; ``--model tiny`` takes the embedded tiny checkpoint for CPU
-runs) and served by the real gRPC server (``AsyncEngine`` + ``GrpcServer``) on a free loopback port.  The
-configs differ only in their ``EngineConfig``:
+runs) and served by the real gRPC server (``AsyncEngine`` + ``GrpcServer``) on a free loopback port; the
+clients run in a spawned process of their own.  The configs differ only in their ``EngineConfig``:
 
-* ``a``: the optimized engine (``attention="msa"``: Triton MSA kernels, FlashInfer);
+* ``a``: the optimized engine (``attention="msa"``: Triton MSA kernels, FlashInfer; on cpu ``--msa-attention``
+  defaults to ``auto``, the reference backend, since the kernels only run interpreted there);
 * ``b``: the same engine with every layer dense (``attention="dense"``);
 * ``c``: the naive MSA path (``attention="naive"``: reference gather + query-major, plain PyTorch);
-* ``d``: ``a`` with CPU KV offload: a pinned host pool and ``--offload-device-blocks`` device blocks.
+* ``d``: ``a`` with CPU KV offload: a pinned host pool and ``--offload-device-blocks`` device blocks (default:
+  the prefix + half the largest point's own blocks + one hot buffer), prefill chunks capped to fit them.
 
 Workload (agentic shape): one shared prefix (``--prefix-tokens``), a unique suffix per request
-(``--suffix-tokens``), ``--output-tokens`` greedy tokens with ``ignore_eos``.  Per config: a cold request
-(prefix not cached; its TTFT), then per concurrency C a closed loop: C client tasks each send a request and
-the next when it finishes, ``max(C, --requests-per-point)`` requests in all.  Per point: output tok/s, TTFT and
-ITL p50/p90/p99 (client clock, streamed chunks), prefix hit rate (cached / prompt tokens of the point's
-requests), preemptions, and for offload the engine's offload counters over the point.  ``--long-context``
-adds one request with a very long prompt per ``--long-configs`` config: decode tok/s with CUDA graphs for the
-first half of its tokens, then eagerly (where the offload copies can be timed: H2D GB/s), hot-buffer hit rate.
+(``--suffix-tokens``), ``--output-tokens`` greedy tokens with ``ignore_eos``.  Per config: an untimed warm-up
+request (kernel compilation), a cold request (prefix not cached: its TTFT), then per concurrency C a closed
+loop: C clients each send a request and the next when it finishes, ``max(C, --requests-per-point)`` in all.
+Per point: output tok/s, TTFT and ITL p50/p90/p99 (client clock, streamed chunks), prefix hit rate (cached /
+prompt tokens), preemptions, and for ``d`` the offload counters over the point (hot-buffer hit rate, bytes
+moved, H2D GB/s of timed copies, stall).  A warm request only spills when its own blocks outnumber the hot
+buffer it must lease (``engine.offload.tiered_manager``; ``extra["offload"]`` says whether they do): with
+2K suffixes they do not, so ``d``'s device pressure shows as preemptions.  ``--long-context`` adds one
+request with a very long prompt per ``--long-configs`` config: prefill time, decode tok/s with CUDA graphs for
+the first half of its tokens, then eagerly (the offload's copies are timed only in eager steps), offload
+counters.  ``extra`` holds the ratios a/c, a/b, d/a per concurrency, the targets, and greedy agreement.
 
 Budget: ``--budget-s`` wall seconds from the start.  Each config (a long run counts half) gets an equal share
 of what is left; a point whose predicted time does not fit its config's share is recorded as
 ``{"skipped": "budget"}``, one that overruns is cancelled and recorded the same way.  ``serving.json`` is
 rewritten after every point; a config that fails records ``"error"`` in its rows and the others still run.
+``serving.svg`` plots the warm points (matplotlib is not in the environment).
 
     python -m bench.serving [--out DIR] [--budget-s 600] [--configs a,b,c,d] [--concurrency 1,2,4,8,16,32,64]
+    python -m bench.serving --budget-s 230 --configs a,b,d,c --concurrency 1,4,16,64 --output-tokens 128 \
+        --requests-per-point 2 --long-context 262144 --long-output-tokens 128      # ~4 minutes on the H200
 """
 
 from __future__ import annotations
@@ -304,6 +313,13 @@ def offload_delta(before: OffloadStats | None, after: OffloadStats | None) -> di
     }
 
 
+def predict_point_s(requests: int, concurrency: int, last_concurrency: int, last_e2e_s: float) -> float:
+    """Wall time of a closed-loop point: requests per client x the last point's request latency, grown with the
+    batch (the naive path's decode steps grow about linearly with it, the others' less: this errs towards
+    skipping a point rather than cancelling it halfway)."""
+    return math.ceil(requests / concurrency) * last_e2e_s * max(1.0, concurrency / last_concurrency)
+
+
 def decode_rate(times: list[float], first: int, last: int) -> float | None:
     """Tokens per second between token ``first`` and token ``last`` (indices into arrival times)."""
     last = min(last, len(times) - 1)
@@ -523,7 +539,7 @@ async def run_config(bench: Bench, name: str, share_s: float) -> None:
         estimate = (1, 2 * cold.ttft_s * w.suffix_tokens / w.prompt_tokens + w.output_tokens * itl)
         for concurrency in args.concurrency:
             count = requests_per_point(concurrency, args.requests_per_point)
-            predicted = math.ceil(count / concurrency) * estimate[1] * math.sqrt(max(1, concurrency / estimate[0]))
+            predicted = predict_point_s(count, concurrency, *estimate)
             row = {**base, "phase": "warm", "concurrency": concurrency}
             if time.monotonic() + predicted > end:
                 logger.warning("config %s, concurrency %d: predicted %.0f s, %.0f s left: skipped", name,
@@ -584,11 +600,11 @@ async def run_long(bench: Bench, name: str, share_s: float) -> None:
     row: dict[str, Any] = {"config": name, "attention": bench.attention(name), "offload": CONFIGS[name][1],
                            "phase": "long", "concurrency": 1, "context": context}  # fmt: skip
     cold = next((r for r in bench.rows if r["config"] == name and r.get("phase") == "cold"), None)
-    if cold and cold.get("ttft_p50_ms"):
-        predicted = cold["ttft_p50_ms"] / 1e3 * (context / bench.workload.prompt_tokens) ** 1.5
-        if time.monotonic() + predicted > end:
-            bench.record({**row, "skipped": "budget", "predicted_s": predicted})
-            return
+    # Prefill grows between linearly (MLPs) and quadratically (attention, the MSA indexer) with the context.
+    predicted = cold["ttft_p50_ms"] / 1e3 * (context / bench.workload.prompt_tokens) ** 1.5 if cold else 0.0
+    if time.monotonic() + predicted >= end:
+        bench.record({**row, "skipped": "budget", "predicted_s": predicted})
+        return
     served: ServedEngine | None = None
     started = time.perf_counter()
     try:
@@ -777,9 +793,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def run(argv: list[str] | None = None) -> Bench:
     """Run the benchmark; returns the rows, the extra fields and every request's tokens (by config and key)."""
+    started = time.monotonic()  # the budget counts torch's import and the model's creation
     import torch
 
-    started = time.monotonic()
     args = parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
         raise SystemExit("bench.serving --device cuda: torch sees no CUDA device (use --device cpu for a CPU run)")

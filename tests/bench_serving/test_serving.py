@@ -89,6 +89,8 @@ def test_summaries_of_known_results():
     assert row["requests"] == 2 and row["output_tokens"] == 6 and row["output_tok_s"] == 3.0
     assert row["ttft_p50_ms"] == 200.0 and abs(row["itl_p50_ms"] - 20.0) < 1e-9 and row["prefix_hit_rate"] == 0.4
     assert serving.decode_rate([0.0, 1.0, 1.5, 2.0], 1, 3) == 2.0 and serving.decode_rate([0.0], 0, 5) is None
+    # 4 requests on 2 clients after 1-client requests of 3 s: 2 rounds of 3 s, batch twice as large.
+    assert serving.predict_point_s(4, 2, 1, 3.0) == 12.0 and serving.predict_point_s(64, 64, 16, 2.0) == 8.0
     rows = [{"phase": "warm", "config": c, "concurrency": n, "output_tok_s": v}
             for c, n, v in [("a", 1, 10.0), ("c", 1, 4.0), ("a", 2, 18.0), ("c", 2, 12.0), ("b", 1, 5.0)]]  # fmt: skip
     assert serving.ratios(rows, "a", "c") == {"1": 2.5, "2": 1.5} and serving.ratios(rows, "a", "b") == {"1": 2.0}
