@@ -176,8 +176,10 @@ async def closed_loop(stub: engine_pb2_grpc.EngineStub, tag: str, prompts: list[
         for key, prompt in pending:  # one shared iterator: each client takes the next prompt
             results.append(await stream_request(stub, f"{tag}-{key}", key, prompt, max_new_tokens))
 
-    async with progress(tag, lambda: f"{len(results)}/{len(prompts)} requests done"):
-        await asyncio.gather(*(client() for _ in range(concurrency)))
+    # A failed request cancels the other clients (TaskGroup): nothing of the point outlives it.
+    async with progress(tag, lambda: f"{len(results)}/{len(prompts)} requests done"), asyncio.TaskGroup() as group:
+        for _ in range(concurrency):
+            group.create_task(client())
     return results
 
 
@@ -668,6 +670,8 @@ async def _long_request(served: ServedEngine, name: str, prompt: list[int], new_
 
 
 def _describe(exc: BaseException) -> str:
+    while isinstance(exc, BaseExceptionGroup) and exc.exceptions:
+        exc = exc.exceptions[0]
     if isinstance(exc, grpc.aio.AioRpcError):
         return f"{exc.code().name}: {exc.details()}"
     return f"{type(exc).__name__}: {exc}"
