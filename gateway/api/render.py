@@ -1,13 +1,15 @@
 """ChoiceDeltas to OpenAI JSON: SSE chunks while streaming, one body otherwise.
 
-Chunks are rendered by hand (a fixed head and tail per request around ``json.dumps`` of the
-choice) because this runs once per token per stream; the shapes are those of the pydantic models
-in ``schemas.py``.
+Chunks are rendered by hand because this runs once per token per stream: a fixed head and tail
+per request, and around them the choice as a format string whose only encoded part is the text
+(``json.dumps`` builds an encoder per call); logprobs, rare, go through ``json.dumps``.  The shapes
+are those of the pydantic models in ``schemas.py``.
 """
 
 import json
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from json.encoder import encode_basestring as _string  # a str as a JSON literal, as _dumps writes it
 from typing import Any
 
 from m3stack.gateway.api.schemas import (
@@ -144,28 +146,22 @@ class ChunkRenderer:
     def delta(self, delta: ChoiceDelta) -> bytes:
         if not delta.text and delta.finish_reason is None and not (self._logprobs and delta.logprobs):
             return b""
-        logprobs: Any = None
+        logprobs = "null"
         if self._chat:
             if self._logprobs:
-                logprobs = {"content": [_chat_logprob_entry(self._token_text, e) for e in delta.logprobs]}
-            choice = {
-                "index": delta.index,
-                "delta": {"content": delta.text},
-                "logprobs": logprobs,
-                "finish_reason": delta.finish_reason,
-            }
+                logprobs = _dumps({"content": [_chat_logprob_entry(self._token_text, e) for e in delta.logprobs]})
+            content = f'"delta":{{"content":{_string(delta.text)}}}'
         else:
             if self._logprobs:
-                logprobs = _completion_logprobs(self._token_text, delta.logprobs, self._logprob_states[delta.index])
-            choice = {
-                "index": delta.index,
-                "text": delta.text,
-                "logprobs": logprobs,
-                "finish_reason": delta.finish_reason,
-            }
-        if delta.finish_reason is not None:
-            choice["stop_reason"] = delta.stop_reason
-        return sse_event(self._head + _dumps(choice) + self._tail)
+                state = self._logprob_states[delta.index]
+                logprobs = _dumps(_completion_logprobs(self._token_text, delta.logprobs, state))
+            content = f'"text":{_string(delta.text)}'
+        if delta.finish_reason is None:
+            finish = "null"
+        else:
+            finish = f'{_string(delta.finish_reason)},"stop_reason":{_dumps(delta.stop_reason)}'
+        choice = f'{{"index":{delta.index},{content},"logprobs":{logprobs},"finish_reason":{finish}}}'
+        return sse_event(self._head + choice + self._tail)
 
     def usage(self, usage: Usage) -> bytes:
         return sse_event(self._usage_head + usage_info(usage).model_dump_json() + "}")

@@ -1,0 +1,95 @@
+"""Streamed chunks are rendered by hand (a format string around the encoded text): they must be the
+exact bytes ``json.dumps`` gives for the chunk, and chat chunks must parse as the openai client's type
+(its ``Completion`` type has no null ``finish_reason``, which streamed text completions send)."""
+
+import json
+import random
+
+import pytest
+from openai.types.chat import ChatCompletionChunk
+
+from m3stack.gateway.api.render import ChunkRenderer, ResponseMeta
+from m3stack.gateway.generation.choice import ChoiceDelta, TokenLogprob
+
+# Characters JSON must escape or that are easy to get wrong: quotes, backslashes, control characters,
+# the line separators JavaScript treats as newlines, non-ASCII and astral characters.
+TRICKY = ['"', "\\", "\n", "\r", "\t", "\x00", "\x1f", "\x7f", "\u2028", "\u2029", "é", "漢", "🙂", "/", "</script>"]
+
+
+def random_text(rng: random.Random) -> str:
+    pieces = [rng.choice(TRICKY) if rng.random() < 0.5 else chr(rng.randrange(0x20, 0x3000)) for _ in range(12)]
+    return "".join(pieces)
+
+
+def expected_event(kind: str, meta: ResponseMeta, delta: ChoiceDelta, logprobs: object, include_usage: bool) -> bytes:
+    """The chunk as a dict, dumped by ``json.dumps`` (what the renderer wrote before it rendered by hand)."""
+    choice: dict[str, object] = {"index": delta.index}
+    if kind == "chat":
+        choice["delta"] = {"content": delta.text}
+    else:
+        choice["text"] = delta.text
+    choice["logprobs"] = logprobs
+    choice["finish_reason"] = delta.finish_reason
+    if delta.finish_reason is not None:
+        choice["stop_reason"] = delta.stop_reason
+    chunk: dict[str, object] = {
+        "id": meta.request_id,
+        "object": "chat.completion.chunk" if kind == "chat" else "text_completion",
+        "created": meta.created,
+        "model": meta.model,
+        "choices": [choice],
+    }
+    if include_usage:
+        chunk["usage"] = None
+    return b"data: " + json.dumps(chunk, ensure_ascii=False, separators=(",", ":")).encode() + b"\n\n"
+
+
+def token_text(token_id: int) -> str:
+    return f'tok"{token_id}\n'
+
+
+@pytest.mark.parametrize("kind", ["chat", "completion"])
+@pytest.mark.parametrize("include_usage", [False, True])
+@pytest.mark.parametrize("finish", [(None, None), ("stop", None), ("stop", "\n\n"), ("stop", 7), ("length", None)])
+def test_a_text_chunk_is_exactly_what_json_dumps_writes(kind, include_usage, finish):
+    rng = random.Random()
+    meta = ResponseMeta(f"id-{random_text(rng)}", f"model {random_text(rng)}", rng.randrange(2**31), token_text, False)
+    renderer = ChunkRenderer(kind, meta, include_usage, num_choices=3)
+    for _ in range(20):
+        delta = ChoiceDelta(rng.randrange(3), random_text(rng), 1, finish_reason=finish[0], stop_reason=finish[1])
+        event = renderer.delta(delta)
+        assert event == expected_event(kind, meta, delta, None, include_usage)
+        payload = json.loads(event.removeprefix(b"data: "))
+        if kind == "chat":
+            assert ChatCompletionChunk.model_validate(payload).choices[0].delta.content == delta.text
+        else:
+            assert payload["choices"][0]["text"] == delta.text
+
+
+@pytest.mark.parametrize("kind", ["chat", "completion"])
+def test_a_chunk_with_logprobs_is_exactly_what_json_dumps_writes(kind):
+    rng = random.Random()
+    meta = ResponseMeta("cmpl-1", "m", 1, token_text, True)
+    renderer = ChunkRenderer(kind, meta, True, num_choices=1)
+    entries = [TokenLogprob(5, -0.25, ((5, -0.25), (9, -2.5))), TokenLogprob(6, -1.5, ((6, -1.5),))]
+    delta = ChoiceDelta(0, random_text(rng), 2, entries, finish_reason="length")
+    if kind == "chat":
+        top = [
+            [{"token": token_text(t), "logprob": lp, "bytes": list(token_text(t).encode())} for t, lp in e.top]
+            for e in entries
+        ]
+        logprobs: object = {
+            "content": [
+                {"token": token_text(e.token_id), "logprob": e.logprob, "bytes": list(token_text(e.token_id).encode())}
+                | {"top_logprobs": top[i]}
+                for i, e in enumerate(entries)
+            ]
+        }
+    else:
+        logprobs = {
+            "tokens": [token_text(5), token_text(6)],
+            "token_logprobs": [-0.25, -1.5],
+            "top_logprobs": [{token_text(5): -0.25, token_text(9): -2.5}, {token_text(6): -1.5}],
+            "text_offset": [0, len(token_text(5))],
+        }
+    assert renderer.delta(delta) == expected_event(kind, meta, delta, logprobs, True)
