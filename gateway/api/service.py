@@ -9,11 +9,11 @@ import asyncio
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncGenerator, Sequence
 
 from pydantic import BaseModel
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.responses import JSONResponse, Response
 
 from m3stack.gateway.api import params
 from m3stack.gateway.api.prompts import Prompt, PromptBuilder
@@ -27,6 +27,7 @@ from m3stack.gateway.api.render import (
     error_event,
 )
 from m3stack.gateway.api.schemas import ChatCompletionRequest, CompletionRequest
+from m3stack.gateway.api.sse import EventStreamResponse
 from m3stack.gateway.engines.pool import EnginePool
 from m3stack.gateway.errors import APIError, engine_failure, model_not_found, no_engine_available
 from m3stack.gateway.generation.choice import ChoiceDecoder
@@ -133,7 +134,7 @@ class CompletionService:
             include_usage = bool(request.stream_options and request.stream_options.include_usage)
             renderer = ChunkRenderer(kind, meta, include_usage, len(runs), echo_texts)
             body = self._sse(generation, renderer, len(runs), include_usage, arrival_s)
-            return StreamingResponse(body, media_type="text/event-stream", headers=SSE_HEADERS)
+            return EventStreamResponse(body, headers=SSE_HEADERS)
         choices = await self._collect(generation, len(runs), http_request)
         usage = generation.usage()
         if kind == "chat":
@@ -162,7 +163,7 @@ class CompletionService:
 
     async def _sse(
         self, generation: Generation, renderer: ChunkRenderer, num_choices: int, include_usage: bool, arrival_s: float
-    ) -> AsyncIterator[bytes]:
+    ) -> AsyncGenerator[bytes, None]:
         # The chunk that finishes the last choice goes out together with the usage and [DONE]: one write
         # instead of three, and nothing waits (it is the end of the stream anyway).
         tail = b""
