@@ -206,6 +206,8 @@ class GpuAttentionBackend:
         else:
             lens = metadata.query_lens_cpu.to(torch.int64)
             request = torch.repeat_interleave(torch.arange(metadata.num_requests, dtype=torch.int32), lens)
+            if self.device.type == "cuda":
+                request = request.pin_memory()  # a copy from pageable memory may wait for the step in flight
             token_request, buffers = request.to(self.device, non_blocking=True), None
             dense_fi, sparse_fi = self._fi_dense, self._fi_sparse
         # Launch sizes follow the page table's width, fixed across the steps a CUDA graph replays.

@@ -150,15 +150,19 @@ def _plain_decode_inputs(scheduled: list[ScheduledRequest], block_size: int) -> 
 
 
 def to_device(host: HostInputs, block_size: int, device: torch.device, encoder_cache: EncoderCache) -> StepInputs:
+    pin = device.type == "cuda"
+
     def move(array: np.ndarray) -> torch.Tensor:
-        return torch.from_numpy(array).to(device, non_blocking=True)
+        # From pinned memory on CUDA: a copy from pageable memory may wait for the step in flight.
+        tensor = torch.from_numpy(array)
+        return (tensor.pin_memory() if pin else tensor).to(device, non_blocking=True)
 
     query_start_loc_cpu = torch.from_numpy(host.query_start_loc)
     seq_lens_cpu = torch.from_numpy(host.seq_lens)
     metadata = AttentionMetadata(
         block_size=block_size,
-        query_start_loc=query_start_loc_cpu.to(device, non_blocking=True),
-        seq_lens=seq_lens_cpu.to(device, non_blocking=True),
+        query_start_loc=move(host.query_start_loc),
+        seq_lens=move(host.seq_lens),
         positions=move(host.positions),
         slot_mapping=move(host.slot_mapping),
         page_table=move(host.page_table),
