@@ -1,10 +1,10 @@
 """The HTTP side of a streamed completion: server-sent events, ended by ``data: [DONE]``.
 
-Starlette's ``StreamingResponse`` runs every response in an anyio task group (a second task listening
-for the disconnect, cancel scopes, and a ``repr`` of the task each time it cancels one); on this
-gateway's hot path that came to about a tenth of a streamed request's CPU.  This response streams in
-the request's own task, and one small task waits for the client to go away and cancels it, which
-closes the event iterator (and so aborts the engine requests) wherever it waits.
+The events are sent from a task of their own, as Starlette's ``StreamingResponse`` does: a task
+that waits inside the route resumes through every middleware's frame each time it wakes, once per
+token.  Starlette also runs an anyio task group per response (cancel scopes, and a ``repr`` of the
+task whenever it cancels one); here a plain task waits for the client to go away and cancels the
+stream, which closes the events (and so aborts the engine requests) wherever they wait.
 """
 
 import asyncio
@@ -25,39 +25,39 @@ class EventStreamResponse(StreamingResponse):
     def __init__(self, events: AsyncGenerator[bytes, None], headers: Mapping[str, str] | None = None) -> None:
         super().__init__(events, headers=headers)
         self._events = events
+        self._ended = False
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
-        task = asyncio.current_task()
-        assert task is not None
-        streaming = True
-        disconnected = False
+        loop = asyncio.get_running_loop()
+        stream = loop.create_task(self._stream(send))
+        watcher = loop.create_task(_wait_for_disconnect(receive))
 
-        def on_disconnect(watcher: asyncio.Future[None]) -> None:
-            nonlocal disconnected
-            if streaming and not watcher.cancelled():
-                disconnected = True
-                task.cancel()
+        def on_disconnect(_: asyncio.Task[None]) -> None:
+            # Completing the body also reads as a disconnect; only a client that left stops the stream.
+            if not self._ended:
+                stream.cancel()
 
-        watcher = asyncio.ensure_future(_wait_for_disconnect(receive))
         watcher.add_done_callback(on_disconnect)
-        body_ended = False
+        try:
+            await stream
+        except asyncio.CancelledError:
+            task = asyncio.current_task()
+            if task is not None and task.cancelling():
+                raise  # this request is being cancelled (awaiting the stream cancelled it too)
+            # The client left: nothing more to send, and not an error.
+        finally:
+            watcher.cancel()
+
+    async def _stream(self, send: Send) -> None:
         try:
             async for event in self._events:
-                body_ended = event.endswith(SSE_DONE)
-                if body_ended:
-                    # Completing the body ends the disconnect watch (uvicorn then reports a disconnect).
-                    streaming = False
-                await send({"type": "http.response.body", "body": event, "more_body": not body_ended})
-            if not body_ended:
+                self._ended = event.endswith(SSE_DONE)
+                await send({"type": "http.response.body", "body": event, "more_body": not self._ended})
+            if not self._ended:
+                self._ended = True
                 await send({"type": "http.response.body", "body": b"", "more_body": False})
-        except asyncio.CancelledError:
-            if not disconnected:
-                raise
-            task.uncancel()  # the client left: nothing more to send, and not an error
         finally:
-            streaming = False
-            watcher.cancel()
             await self._events.aclose()  # a no-op when the events ran out; else it closes the engine streams
 
 
