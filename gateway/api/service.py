@@ -148,6 +148,8 @@ class CompletionService:
         self, prompts: Sequence[Prompt], batches: Sequence[Sequence[object]]
     ) -> list[list[EngineStream]]:
         """Open every prompt's streams (each prompt is routed on its own); all or nothing."""
+        if len(prompts) == 1:  # most requests: no gather, which would wrap the open in a task
+            return [await self._dispatcher.open(prompts[0].token_ids, batches[0])]
         opened = await asyncio.gather(
             *(self._dispatcher.open(prompt.token_ids, batch) for prompt, batch in zip(prompts, batches, strict=True)),
             return_exceptions=True,

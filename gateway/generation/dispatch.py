@@ -8,7 +8,7 @@ and tells the engine's circuit breaker how it went.
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import grpc
@@ -48,16 +48,9 @@ class EngineStream:
     dispatcher: "Dispatcher"
     closed: bool = False
 
-    async def responses(self) -> AsyncIterator[engine_pb2.GenerateResponse]:
-        """The responses from the first one on; raises ``EngineStreamError`` if the engine fails."""
-        response = self.first
-        while True:
-            yield response
-            if response.HasField("complete"):
-                return
-            response = await self._read()
-
-    async def _read(self) -> engine_pb2.GenerateResponse:
+    async def read(self) -> engine_pb2.GenerateResponse:
+        """The next response (``first`` came with the call's opening); raises ``EngineStreamError`` if the
+        engine fails."""
         try:
             response = await self.call.read()
         except asyncio.CancelledError:
@@ -133,7 +126,10 @@ class Dispatcher:
     ) -> list[EngineStream]:
         calls = [engine.start_generate(request) for request in requests]
         try:
-            firsts = await asyncio.gather(*(call.read() for call in calls), return_exceptions=True)
+            if len(calls) == 1:  # most requests: no gather, which would wrap the read in a task
+                firsts = [await _first_response(calls[0])]
+            else:
+                firsts = await asyncio.gather(*(call.read() for call in calls), return_exceptions=True)
         except BaseException:  # our task was cancelled (client gone) while the engine queued the request
             for request, call in zip(requests, calls, strict=True):
                 self._abandon(engine, call, request.request_id, "client_disconnected")
@@ -182,6 +178,19 @@ class Dispatcher:
         task = asyncio.get_running_loop().create_task(engine.abort(request_id, reason))
         self._background.add(task)
         task.add_done_callback(self._background.discard)
+
+
+async def _first_response(call: grpc.aio.UnaryStreamCall) -> object:
+    """What ``asyncio.gather(call.read(), return_exceptions=True)`` gives for one call: the response, or
+    the error reading it (also the call's cancellation by the pool); only our own cancellation raises."""
+    try:
+        return await call.read()
+    except asyncio.CancelledError as exc:
+        if current_task_is_cancelling():
+            raise
+        return exc
+    except Exception as exc:
+        return exc
 
 
 def _is_engine_abort(response: engine_pb2.GenerateResponse) -> bool:

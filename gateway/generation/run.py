@@ -65,21 +65,24 @@ class Generation:
     async def _run_one(self, run: ChoiceRun) -> AsyncIterator[ChoiceDelta]:
         stream, decoder = run.stream, run.decoder
         last_token_s = 0.0
+        response = stream.first
         try:
-            async for response in stream.responses():
-                if response.HasField("complete") and response.complete.finish_reason == engine_pb2.FINISH_REASON_ABORT:
+            while True:
+                complete = response.HasField("complete")
+                if complete and response.complete.finish_reason == engine_pb2.FINISH_REASON_ABORT:
                     message = response.complete.abort_message or "no reason given"
                     raise EngineStreamError(f"engine {stream.engine.address} aborted the request: {message}")
                 delta = decoder.on_response(response)
                 if delta.num_tokens:
                     last_token_s = self._observe_tokens(delta.num_tokens, last_token_s)
-                if response.HasField("complete"):
+                if complete:
                     stream.close("completed")
                 elif decoder.finished:
                     stream.close("stop_string")
                 yield delta
-                if decoder.finished:
+                if decoder.finished:  # always so after the complete response
                     return
+                response = await stream.read()
         except EngineStreamError:
             stream.close("failed")
             raise
