@@ -17,6 +17,8 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from m3stack import __version__
 from m3stack.gateway.api.auth import ApiKeys
+from m3stack.gateway.api.errors import HTTP_ERROR_CODES, api_error_response, http_error_response
+from m3stack.gateway.api.fast_path import CompletionFastPath
 from m3stack.gateway.api.prompts import PromptBuilder
 from m3stack.gateway.api.schemas import (
     ChatCompletionRequest,
@@ -64,7 +66,6 @@ STREAMING_RESPONSE: dict[int | str, dict[str, Any]] = {
 }
 API_PATHS = ("/v1/chat/completions", "/v1/completions", "/v1/models")
 PROMETHEUS_CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
-HTTP_ERROR_CODES = {404: "not_found", 405: "method_not_allowed", 413: "request_too_large"}
 # Allocations (net of frees) between two young-generation collections; Python's default is 700.
 GC_YOUNG_THRESHOLD = 50_000
 
@@ -170,6 +171,8 @@ def create_app(config: GatewayConfig) -> FastAPI:
     app.state.gateway = state
     _install_error_handlers(app)
     _add_routes(app, state)
+    # Middleware added last runs first: RequestGuard, then the fast path, then FastAPI's routing.
+    app.add_middleware(CompletionFastPath, service=state.service)
     app.add_middleware(
         RequestGuard, metrics=state.metrics, max_body_bytes=config.max_request_bytes, api_keys=state.api_keys
     )
@@ -234,7 +237,7 @@ def _add_routes(app: FastAPI, state: GatewayState) -> None:
 def _install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(APIError)
     async def api_error(request: Request, exc: APIError) -> Response:
-        return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
+        return api_error_response(exc)
 
     @app.exception_handler(RequestValidationError)
     async def validation_error(request: Request, exc: RequestValidationError) -> Response:
@@ -242,9 +245,7 @@ def _install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException) -> Response:
-        code = HTTP_ERROR_CODES.get(exc.status_code, str(exc.status_code))
-        error = APIError(exc.status_code, str(exc.detail), code=code)
-        return JSONResponse(error.body(), status_code=exc.status_code, headers=getattr(exc, "headers", None))
+        return http_error_response(exc)
 
     @app.exception_handler(Exception)
     async def unexpected_error(request: Request, exc: Exception) -> Response:
@@ -323,7 +324,7 @@ class RequestGuard:
                 self._metrics.requests.labels(endpoint=endpoint, status=str(status)).inc()
 
     async def _reject(self, scope: Scope, send: Send, error: APIError, endpoint: str | None) -> None:
-        await JSONResponse(error.body(), status_code=error.status, headers=error.headers)(scope, _no_body, send)
+        await api_error_response(error)(scope, _no_body, send)
         if endpoint is not None:
             self._metrics.requests.labels(endpoint=endpoint, status=str(error.status)).inc()
 

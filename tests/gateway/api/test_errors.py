@@ -38,6 +38,14 @@ def test_bad_json_is_a_400(gateway):
     assert error["type"] == "invalid_request_error"
 
 
+def test_a_valid_body_not_sent_as_json_is_a_400(gateway, model_name):
+    # FastAPI reads a body as JSON only under a JSON content type; the completion fast path must not read more.
+    body = {"model": model_name, "prompt": "hi", "max_tokens": 1}
+    assert post(gateway, "/v1/completions", body).status_code == 200
+    for headers in ({"Content-Type": "text/plain"}, {"Content-Type": ""}):
+        assert_openai_error(post(gateway, "/v1/completions", body, headers), 400)
+
+
 def test_invalid_unicode_is_a_400(gateway, model_name):
     # A lone surrogate is valid JSON but not valid text.
     body = b'{"model": "%s", "prompt": "abc \\ud800 def"}' % model_name.encode()
