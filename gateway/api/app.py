@@ -1,7 +1,6 @@
 """The FastAPI application: routes, error rendering, middleware, and the engines' lifecycle."""
 
 import contextlib
-import gc
 import json
 import logging
 import time
@@ -66,8 +65,6 @@ STREAMING_RESPONSE: dict[int | str, dict[str, Any]] = {
 }
 API_PATHS = ("/v1/chat/completions", "/v1/completions", "/v1/models")
 PROMETHEUS_CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
-# Allocations (net of frees) between two young-generation collections; Python's default is 700.
-GC_YOUNG_THRESHOLD = 50_000
 
 
 class GatewayState:
@@ -133,27 +130,12 @@ def media_pipeline(config: GatewayConfig) -> MediaPipeline | None:
     return MediaPipeline(profile, config.media_limits, workers=config.media_workers)
 
 
-def settle_garbage_collector() -> None:
-    """Tune the gateway process's cyclic garbage collector once it has started.
-
-    A streamed request makes no reference cycles (its objects go with their last reference), yet with
-    Python's default threshold the collector ran every few hundred allocations under load and walked
-    the objects of the requests in flight each time: 5-10% of the gateway's CPU at 64 streams.  With a
-    threshold that in-flight requests do not reach it runs only when garbage could be piling up, and
-    what startup built (FastAPI, pydantic schemas, modules) is frozen out of every collection.
-    """
-    gc.collect()
-    gc.freeze()
-    gc.set_threshold(GC_YOUNG_THRESHOLD)
-
-
 def create_app(config: GatewayConfig) -> FastAPI:
     state = GatewayState(config)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         await state.start()
-        settle_garbage_collector()
         try:
             yield
         finally:
