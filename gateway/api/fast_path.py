@@ -53,7 +53,9 @@ class CompletionFastPath:
         try:
             request = model.model_validate_json(body)
         except ValidationError:
-            await self._app(scope, _replay(body, receive), send)  # FastAPI's answer to an invalid body
+            request = None
+        if request is None:  # FastAPI answers an invalid body (outside the except, so nothing chains to it)
+            await self._app(scope, _replay(body, receive), send)
             return
         try:
             response = await handler(request, Request(scope, receive), scope["state"]["arrival_s"])
