@@ -292,12 +292,27 @@ class _Stopper:
             self.leader.stop_workers()
         except Exception:
             logger.exception("could not tell the workers to stop")
+        leave_process_group(STOP_JOIN_SECONDS)
         for process in self.processes:
             process.join(STOP_JOIN_SECONDS)
             if process.is_alive():
                 process.kill()
-        if dist.is_initialized():
-            dist.destroy_process_group()
+
+
+def leave_process_group(timeout_s: float) -> None:
+    """Leave the default process group, waiting at most ``timeout_s`` for the other ranks.
+
+    NCCL's teardown returns on a rank only once every rank has reached it, so rank 0 leaves while its
+    stopped workers leave, never after joining them (that waited out the join timeout on every stop); a
+    worker that died must not hang rank 0's shutdown either, hence the thread and the bound.
+    """
+    if not dist.is_initialized():
+        return
+    leaving = threading.Thread(target=dist.destroy_process_group, name="leave-process-group", daemon=True)
+    leaving.start()
+    leaving.join(timeout_s)
+    if leaving.is_alive():
+        logger.warning("the other ranks did not leave the process group within %.0f s", timeout_s)
 
 
 _STOPPERS: dict[int, _Stopper] = {}

@@ -22,7 +22,7 @@ import torch.distributed as dist
 
 from m3stack.engine.attention.reference import ReferenceAttentionBackend
 from m3stack.engine.distributed.config import MULTICAST_OFF_ENV, ParallelConfig
-from m3stack.engine.distributed.engine import free_port, start_rank, stop_parallel_engine
+from m3stack.engine.distributed.engine import free_port, leave_process_group, start_rank, stop_parallel_engine
 from m3stack.engine.distributed.messages import LeaderModel, RecordingBackend, serve_steps
 from m3stack.engine.kv_cache.tensors import allocate_kv_cache
 from m3stack.engine.model.loader import load_model
@@ -121,8 +121,8 @@ def test_float32_two_ranks_equal_one_rank():
             assert tokens == expected[name][1], name
     finally:
         leader.stop_workers()
+        leave_process_group(60)
         worker.join(60)
-        dist.destroy_process_group()
     assert worker.exitcode == 0
 
 
