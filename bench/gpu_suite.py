@@ -5,13 +5,14 @@ On the H200 machine, from the repository root (see CONTRIBUTING.md and ../shared
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
         .whl/*.whl && export PYTHONPATH=/tmp/site:$PWD && PYTHONUNBUFFERED=1 python3 bench/gpu_suite.py --out $OUT
 
-Writes under --out: ``suite.log`` (everything) and ``results.tar.gz`` (each benchmark's
-``<name>.json``), and prints a one-line-per-stage summary last.  Results are then committed under
-``bench/results/``.
+    python3 bench/gpu_suite.py --out $OUT --only multi_gpu_float32,multi_gpu_False,multi_gpu_True,multi_gpu  # 2 GPUs
+
+Writes under --out: ``logs.tar.gz`` (a log per command) and ``results.tar.gz`` (each benchmark's
+``<name>.json``), and prints the benchmarks' tables, pytest's summaries and a line per stage last.
+Results are then committed under ``bench/results/``.
 """
 
 import argparse
-import io
 import logging
 import os
 import subprocess
@@ -28,37 +29,73 @@ logger = logging.getLogger("gpu_suite")
 
 @dataclass(frozen=True)
 class Stage:
+    """Commands run side by side (test files share the GPU well; benchmarks run alone), one time limit."""
+
     name: str
-    argv: list[str]
+    argvs: list[list[str]]
     timeout_s: int
+
+
+def pytest_stage(name: str, files: list[str], timeout_s: int) -> Stage:
+    """One pytest process per file, all at once; each test has a time limit well under the stage's, so a
+    hung test fails with its stack in the log instead of taking the stage's report with it."""
+    python = sys.executable
+    per_test = ["-q", "-p", "no:cacheprovider", "-rfE", "--tb=short", f"--timeout={timeout_s // 2}"]
+    return Stage(name, [[python, "-m", "pytest", *per_test, f"tests/gpu/{file}"] for file in files], timeout_s)
 
 
 def stages(results_dir: Path, selected: set[str] | None) -> list[Stage]:
     python = sys.executable
     out = ["--out", str(results_dir)]
+
+    def bench(name: str, *flags: str) -> list[list[str]]:
+        return [[python, "-m", f"bench.{name}", *out, *flags]]
+
+    # Sized so that everything but the multi-GPU stages fits one 10-minute device call.
+    # fmt: off
     all_stages = [
-        Stage("pytest", [python, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/gpu", "--timeout=300"], 900),
-        Stage("msa_decode", [python, "-m", "bench.msa_decode", *out], 420),
-        Stage("msa_prefill", [python, "-m", "bench.msa_prefill", *out], 420),
-        Stage("engine_step", [python, "-m", "bench.engine_step", *out], 300),
-        Stage("serving", [python, "-m", "bench.serving", *out], 900),
+        pytest_stage("pytest", ["test_model_bf16.py", "test_runtime.py", "test_msa_decode.py",
+                                "test_msa_prefill.py"], 170),
+        Stage("msa_prefill", bench("msa_prefill", "--no-sweep", "--contexts", "32768,131072", "--budget-s", "60"), 100),
+        Stage("engine_step", bench("engine_step", "--steps", "50"), 90),
+        Stage("serving", bench("serving", "--budget-s", "180", "--configs", "a,b,d,c", "--concurrency", "1,8,32",
+                               "--output-tokens", "64", "--requests-per-point", "2", "--long-context", "262144",
+                               "--long-output-tokens", "64"), 200),
+        Stage("msa_decode", bench("msa_decode"), 420),
+        # 2 GPUs (kind nvidia-h200-x2): one process per test, one after the other, so a hung NCCL group cannot
+        # take the next test down with it.
+        *[Stage(f"multi_gpu_{k}", [[python, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rfE", "--tb=short",
+                                    "--timeout=100", "tests/gpu/test_multi_gpu.py", "-k", k]], 130)
+          for k in ("float32", "False", "True")],
+        Stage("multi_gpu", bench("multi_gpu", "--budget-s", "100"), 150),
     ]
+    # fmt: on
     return [s for s in all_stages if selected is None or s.name in selected]
 
 
-def run_stage(stage: Stage, log: io.TextIOBase) -> tuple[str, float]:
-    if stage.argv[2:3] == ["bench." + stage.name] and not (ROOT / "bench" / f"{stage.name}.py").exists():
-        return "missing", 0.0
+def run_stage(stage: Stage, log_dir: Path) -> tuple[str, float]:
+    """Run the stage's commands at once, each into ``<log_dir>/<stage>-<i>.log``; the worst outcome wins."""
     start = time.monotonic()
-    log.write(f"\n===== {stage.name}: {' '.join(stage.argv)}\n")
-    log.flush()
-    try:
-        proc = subprocess.run(stage.argv, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, timeout=stage.timeout_s,
-                              env={**os.environ, "PYTHONUNBUFFERED": "1"})
-        status = "ok" if proc.returncode == 0 else f"exit {proc.returncode}"
-    except subprocess.TimeoutExpired:
-        status = f"timeout {stage.timeout_s}s"
-    return status, time.monotonic() - start
+    logs = [open(log_dir / f"{stage.name}-{i}.log", "w") for i in range(len(stage.argvs))]  # noqa: SIM115
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    procs = []
+    for argv, log in zip(stage.argvs, logs, strict=True):
+        log.write(f"===== {stage.name}: {' '.join(argv)}\n")
+        log.flush()
+        procs.append(subprocess.Popen(argv, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env=env))
+    statuses = []
+    for proc in procs:
+        try:
+            code = proc.wait(timeout=max(1.0, stage.timeout_s - (time.monotonic() - start)))
+            statuses.append("ok" if code == 0 else f"exit {code}")
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+            statuses.append(f"timeout {stage.timeout_s}s")
+    for log in logs:
+        log.close()
+    failed = [status for status in statuses if status != "ok"]
+    return (",".join(failed) if failed else "ok"), time.monotonic() - start
 
 
 def main() -> int:
@@ -69,28 +106,37 @@ def main() -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     args.out.mkdir(parents=True, exist_ok=True)
     results_dir = args.out / "results"
+    log_dir = args.out / "logs"
     results_dir.mkdir(exist_ok=True)
+    log_dir.mkdir(exist_ok=True)
     selected = set(args.only.split(",")) if args.only else None
 
+    env = subprocess.run(["nvidia-smi", "--query-gpu=name,memory.total,driver_version,clocks.sm", "--format=csv"],
+                         capture_output=True, text=True)  # fmt: skip
+    (log_dir / "nvidia-smi.txt").write_text(env.stdout + env.stderr)
     summary = []
-    with open(args.out / "suite.log", "w") as log:
-        env = subprocess.run(["nvidia-smi", "--query-gpu=name,memory.total,driver_version,clocks.sm",
-                              "--format=csv"], capture_output=True, text=True)
-        log.write(env.stdout + env.stderr)
-        for stage in stages(results_dir, selected):
-            status, seconds = run_stage(stage, log)
-            summary.append((stage.name, status, seconds))
-            logger.info("%-12s %-14s %6.1fs", stage.name, status, seconds)
+    for stage in stages(results_dir, selected):
+        status, seconds = run_stage(stage, log_dir)
+        summary.append((stage.name, status, seconds))
+        logger.info("%-16s %-14s %6.1fs", stage.name, status, seconds)
 
+    # Two archives (the device call returns a few files): results, and every log.
     with tarfile.open(args.out / "results.tar.gz", "w:gz") as tar:
-        for path in sorted(results_dir.glob("*.json")):
+        for path in sorted(results_dir.iterdir()):
             tar.add(path, arcname=path.name)
-    # Tables the benchmarks printed, and the stage summary, last (the device reply shows the tail).
-    tail = (args.out / "suite.log").read_text().splitlines()
-    report = [line for line in tail if line.startswith("|")]
-    report += [f"STAGE {name:<12} {status:<14} {seconds:6.1f}s" for name, status, seconds in summary]
+    with tarfile.open(args.out / "logs.tar.gz", "w:gz") as tar:
+        for path in sorted(log_dir.iterdir()):
+            tar.add(path, arcname=path.name)
+    # The tables the benchmarks printed, pytest's summaries and the stage summary, last (the reply shows the tail).
+    report = []
+    for path in sorted(log_dir.glob("*.log")):
+        lines = path.read_text(errors="replace").splitlines()
+        report += [line for line in lines if line.startswith("|")]
+        report += [f"{path.stem}: {line}" for line in lines
+                   if line.startswith(("FAILED", "ERROR")) or " passed" in line or " failed" in line][-12:]  # fmt: skip
+    report += [f"STAGE {name:<16} {status:<14} {seconds:6.1f}s" for name, status, seconds in summary]
     sys.stdout.write("\n".join(report) + "\n")
-    return 0 if all(status in ("ok", "missing") for _, status, _ in summary) else 1
+    return 0 if all(status == "ok" for _, status, _ in summary) else 1
 
 
 if __name__ == "__main__":
