@@ -538,7 +538,9 @@ async def run_config(bench: Bench, name: str, share_s: float) -> None:
                       **summarize([cold], time.perf_counter() - started)})  # fmt: skip
         # Per-request latency the next point is predicted from: warm TTFT ~ 2 x suffix/prompt of the cold one.
         itl = float(np.median(cold.itls_s)) if cold.itls_s else cold.ttft_s
-        estimate = (1, 2 * cold.ttft_s * w.suffix_tokens / w.prompt_tokens + w.output_tokens * itl)
+        warm_ttft_s = 2 * cold.ttft_s * w.suffix_tokens / w.prompt_tokens
+        await prime(bench, served, name, warm_ttft_s + COLD_OUTPUT_TOKENS * itl, end)
+        estimate = (1, warm_ttft_s + w.output_tokens * itl)
         for concurrency in args.concurrency:
             count = requests_per_point(concurrency, args.requests_per_point)
             predicted = predict_point_s(count, concurrency, *estimate)
@@ -567,6 +569,25 @@ async def run_config(bench: Bench, name: str, share_s: float) -> None:
             await served.__aexit__(None, None, None)
         del served
         free_device_memory(bench.device)
+
+
+async def prime(bench: Bench, served: ServedEngine, name: str, request_s: float, end: float) -> None:
+    """Untimed warm requests (prefix hits), one then a burst as large as the largest point when a quarter of
+    the time left allows: the kernels compiled for a prefill over a cached prefix and for wide batches (Triton
+    specializes on sizes) would otherwise land in the first point that needs them, as TTFT and ITL spikes."""
+    w = bench.workload
+    prefix = w.prefix()
+    widest = max(bench.args.concurrency)
+    bursts = [1]
+    if predict_point_s(widest, widest, 1, request_s) < (end - time.monotonic()) / 4:
+        bursts.append(widest)
+    async with progress(f"config {name}", lambda: f"priming with bursts of {bursts}"):
+        for burst in bursts:
+            await asyncio.gather(*(
+                stream_request(served.stub, f"{name}-prime-{burst}-{i}", "prime",
+                               w.prompt(prefix, f"prime-{burst}-{i}"), COLD_OUTPUT_TOKENS)
+                for i in range(burst)
+            ))  # fmt: skip
 
 
 async def measure_point(bench: Bench, served: ServedEngine, name: str, concurrency: int, count: int,
@@ -686,8 +707,11 @@ _PANELS = (("output tok/s", "output_tok_s"), ("TTFT p50 (ms)", "ttft_p50_ms"), (
 def svg_plot(rows: list[dict[str, Any]], title: str) -> str:
     """Warm points per config against concurrency (log2 axis): one panel per metric of ``_PANELS``."""
     width, height, left, top, inner_w, inner_h = 330, 260, 55, 30, 250, 180
-    parts = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{width * len(_PANELS)}" height="{height + 30}" '
-             'font-family="sans-serif" font-size="11">', f'<text x="10" y="16" font-size="13">{title}</text>']
+    parts = [
+        f'<svg xmlns="http://www.w3.org/2000/svg" width="{width * len(_PANELS)}" height="{height + 30}" '
+        'font-family="sans-serif" font-size="11">',
+        f'<text x="10" y="16" font-size="13">{title}</text>',
+    ]
     warm = [r for r in rows if r.get("phase") == "warm"]
     levels = sorted({r["concurrency"] for r in warm}) or [1]
     lo, hi = math.log2(levels[0]), math.log2(levels[-1]) if levels[-1] > levels[0] else math.log2(levels[0]) + 1
@@ -768,8 +792,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m bench.serving", description=__doc__.splitlines()[0])
     p.add_argument("--out", type=Path, default=None, help="folder for serving.json / serving.svg (bench/results)")
     p.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
-    p.add_argument("--model", choices=("m3dims", "tiny"), default="m3dims",
-                   help="m3dims: random bf16 weights at M3 attention dims; tiny: the embedded tiny checkpoint")
+    p.add_argument(
+        "--model",
+        choices=("m3dims", "tiny"),
+        default="m3dims",
+        help="m3dims: random bf16 weights at M3 attention dims; tiny: the embedded tiny checkpoint",
+    )
     p.add_argument("--layers", type=int, default=8, help="m3dims layers (one dense-attention layer, then MSA)")
     p.add_argument("--configs", type=_config_list, default=list(CONFIGS), help="a,b,c,d (run in this order)")
     p.add_argument("--concurrency", type=_int_list, default=[1, 2, 4, 8, 16, 32, 64])
@@ -781,10 +809,17 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--long-context", type=int, default=524_288, help="prompt tokens of the long run (0: none)")
     p.add_argument("--long-output-tokens", type=int, default=256)
     p.add_argument("--long-configs", type=_config_list, default=["d", "a"])
-    p.add_argument("--msa-attention", default=None,
-                   help="attention of configs a and d (default: msa on cuda, auto = the reference backend on cpu)")
-    p.add_argument("--offload-device-blocks", type=int, default=0,
-                   help="device KV blocks of config d (0: the prefix + half the largest point + a hot buffer)")
+    p.add_argument(
+        "--msa-attention",
+        default=None,
+        help="attention of configs a and d (default: msa on cuda, auto = the reference backend on cpu)",
+    )
+    p.add_argument(
+        "--offload-device-blocks",
+        type=int,
+        default=0,
+        help="device KV blocks of config d (0: the prefix + half the largest point + a hot buffer)",
+    )
     p.add_argument("--offload-gb", type=float, default=0.0, help="pinned host GiB of offload (0: what the run needs)")
     p.add_argument("--max-num-batched-tokens", type=int, default=8192)
     p.add_argument("--budget-s", type=float, default=600.0, help="wall seconds for everything, writing included")
@@ -885,12 +920,30 @@ def main(argv: list[str] | None = None) -> int:
     columns = ["config", "phase", "concurrency", "requests", "output_tok_s", "ttft_p50_ms", "ttft_p99_ms",
                "itl_p50_ms", "itl_p99_ms", "prefix_hit_rate", "preemptions", "offload_hit_rate",
                "offload_spilled_blocks", "skipped", "error"]  # fmt: skip
-    long_columns = ["config", "context", "prefill_s", "decode_tok_s", "eager_decode_tok_s", "offload_hit_rate",
-                    "offload_miss_gbps", "offload_staging_gbps", "offload_spilled_blocks", "skipped", "error"]
+    long_columns = [
+        "config",
+        "context",
+        "prefill_s",
+        "decode_tok_s",
+        "eager_decode_tok_s",
+        "offload_hit_rate",
+        "offload_miss_gbps",
+        "offload_staging_gbps",
+        "offload_spilled_blocks",
+        "skipped",
+        "error",
+    ]
     serving = [r for r in bench.rows if r.get("phase") != "long"]
     long = [r for r in bench.rows if r.get("phase") == "long"]
-    sys.stdout.write(f"targets: {bench.extra['targets']}\n\n" + markdown_table(ratio_rows, list(ratio_rows[0])) +
-                     "\n\n" + markdown_table(long, long_columns) + "\n\n" + markdown_table(serving, columns) + "\n")
+    sys.stdout.write(
+        f"targets: {bench.extra['targets']}\n\n"
+        + markdown_table(ratio_rows, list(ratio_rows[0]))
+        + "\n\n"
+        + markdown_table(long, long_columns)
+        + "\n\n"
+        + markdown_table(serving, columns)
+        + "\n"
+    )
     return 1 if any("error" in r for r in bench.rows) else 0
 
 

@@ -69,7 +69,9 @@ def churn(pages: list[int], previous: list[int]) -> tuple[int, int]:
     return len(distinct), len(distinct - set(previous))
 
 
-@triton.jit
+# msa_slot is the layer's index: left unspecialized, the layers share one compiled kernel (Triton would make
+# slot 1 a constant, for which `.to` does not exist, and compile slot 0 and 16, 32, ... apart).
+@triton.jit(do_not_specialize=["msa_slot"])
 def _resolve_kernel(
     page_ids_ptr, row_indptr_ptr, query_start_ptr, handles_ptr,
     slot_block_ptr, slot_stamp_ptr, slot_page_ptr, previous_ptr, clock_ptr,

@@ -37,28 +37,34 @@ def test_churn_counts_blocks_new_since_the_previous_step():
 HKV, TOPK, HOT = 2, 4, 8
 
 
-def _state(handles: int, layers: int, max_batch: int) -> HotStateTensors:
+def _state(handles: int, layers: int, max_batch: int, device: torch.device) -> HotStateTensors:
     state = HotStateTensors.allocate(max_requests=handles, num_msa_layers=layers, hot_blocks=HOT,
                                      entries=entries_per_request(HKV, TOPK), max_batch=max_batch,
-                                     device=torch.device("cpu"))  # fmt: skip
+                                     device=device)  # fmt: skip
     for handle in range(handles):
         state.slot_page[handle] = torch.arange(HOT, dtype=torch.int32) + 1 + HOT * handle
     return state
 
 
 def test_kernel_follows_the_rules_over_steps():
-    """Three requests (the middle one has no host block), two MSA layers, five steps of random selections."""
+    check_kernel_follows_the_rules(torch.device("cpu"))
+
+
+def check_kernel_follows_the_rules(device: torch.device) -> None:
+    """Three requests (the middle one has no host block), two MSA layers, five steps of random selections.
+    Also run compiled on the GPU (tests/gpu/test_offload.py): layer slot 1 is what Triton specializes."""
     rng = random.Random(11)
-    handles = torch.tensor([1, -1, 0], dtype=torch.int32)
-    state = _state(handles=2, layers=2, max_batch=3)
+    handles = torch.tensor([1, -1, 0], dtype=torch.int32, device=device)
+    state = _state(handles=2, layers=2, max_batch=3, device=device)
     python_state = {(h, layer): ([-1] * HOT, [0] * HOT, [-1]) for h in (0, 1) for layer in (0, 1)}
-    expected_stats = torch.zeros_like(state.stats)
-    query_start = torch.arange(4, dtype=torch.int32)
+    expected_stats = torch.zeros_like(state.stats).cpu()
+    query_start = torch.arange(4, dtype=torch.int32, device=device)
     for clock in range(1, 6):
         state.begin_step()
         for layer in (0, 1):
             lengths = [rng.randint(1, TOPK) for _ in range(3 * HKV)]
-            row_indptr = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
+            row_indptr = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32,
+                                      device=device)  # fmt: skip
             pages = []
             for row, length in enumerate(lengths):
                 is_host = handles[row // HKV] >= 0
@@ -66,7 +72,7 @@ def test_kernel_follows_the_rules_over_steps():
                 chosen = [*rng.sample(list(pool), length - 1), rng.randrange(1, NUM_DEVICE)]  # local block last
                 pages.append(chosen)
             virtual = torch.tensor([p * HKV + row % HKV for row, chosen in enumerate(pages) for p in chosen],
-                                   dtype=torch.int32)  # fmt: skip
+                                   dtype=torch.int32, device=device)  # fmt: skip
             page_ids = virtual.clone()
             resolve_decode_pages(page_ids, row_indptr, query_start, handles, state, layer, NUM_DEVICE, HKV, TOPK)
             expected = virtual.clone()
@@ -95,6 +101,6 @@ def test_kernel_follows_the_rules_over_steps():
             queued = set(zip(state.miss_src[layer, :count].tolist(), state.miss_dst[layer, :count].tolist(),
                              strict=True))  # fmt: skip
             assert queued == expected_copies
-    assert torch.equal(state.stats, expected_stats)
+    assert torch.equal(state.stats.cpu(), expected_stats)
     assert int(state.stats[:, STAT_HITS].sum()) > 0 and int(state.stats[:, STAT_MISSES].sum()) > 0
     assert int(state.stats[:, STAT_CHURNED].sum()) < int(state.stats[:, STAT_SELECTED].sum())
