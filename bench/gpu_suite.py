@@ -67,8 +67,10 @@ def stages(results_dir: Path, selected: set[str] | None) -> list[Stage]:
         # 2 GPUs (kind nvidia-h200-x2): one process per test, one after the other, so a hung NCCL group cannot
         # take the next test down with it.
         # The first bf16 test pays FlashInfer's JIT compilation of the M3-dims kernels (~100 s on a fresh machine).
-        *[Stage(f"multi_gpu_{k}", [[python, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rfE", "--tb=short",
-                                    f"--timeout={limit - 20}", "tests/gpu/test_multi_gpu.py", "-k", k]], limit)
+        # Uncaptured, logs streamed: a rank that dies takes pytest's captured output with it.
+        *[Stage(f"multi_gpu_{k}", [[python, "-m", "pytest", "-q", "-s", "-o", "log_cli=true", "--log-cli-level=INFO",
+                                    "-p", "no:cacheprovider", "-rfE", "--tb=short", f"--timeout={limit - 20}",
+                                    "tests/gpu/test_multi_gpu.py", "-k", k]], limit)
           for k, limit in (("float32", 100), ("False", 260), ("True", 150))],
         Stage("multi_gpu", bench("multi_gpu", "--budget-s", "100"), 150),
     ]
