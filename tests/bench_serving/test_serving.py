@@ -8,7 +8,11 @@ be equal, and the long request must really have moved KV blocks to the host and 
 import json
 import xml.etree.ElementTree as ET
 
-from bench import serving
+from bench.serving.cli import main, run
+from bench.serving.client import RequestResult
+from bench.serving.report import decode_rate, ratios, summarize, target_report
+from bench.serving.runner import predict_point_s
+from bench.serving.workload import Workload
 
 PREFIX, SUFFIX, OUTPUT, BLOCK = 256, 32, 4, 16  # the tiny model's MSA blocks are 16 tokens
 SHAPES = ["--device", "cpu", "--model", "tiny", "--prefix-tokens", str(PREFIX), "--suffix-tokens", str(SUFFIX),
@@ -21,8 +25,8 @@ def _warm(rows: list[dict]) -> dict[tuple[str, int], dict]:
 
 
 def test_every_config_and_concurrency_measured_offload_gives_the_same_tokens(tmp_path):
-    bench = serving.run([*SHAPES, "--long-context", "768", "--long-output-tokens", "8", "--budget-s", "120",
-                         "--out", str(tmp_path)])  # fmt: skip
+    bench = run([*SHAPES, "--long-context", "768", "--long-output-tokens", "8", "--budget-s", "120",
+                 "--out", str(tmp_path)])  # fmt: skip
     payload = json.loads((tmp_path / "serving.json").read_text())
     assert {"device", "date", "command", "rows", "ratios", "targets"} <= set(payload)
     rows = payload["rows"]
@@ -61,8 +65,8 @@ def test_every_config_and_concurrency_measured_offload_gives_the_same_tokens(tmp
 
 
 def test_points_past_the_budget_are_skipped_and_the_results_still_written(tmp_path):
-    bench = serving.run([*SHAPES, "--configs", "b,c", "--long-context", "0", "--budget-s", "2.5",
-                         "--out", str(tmp_path)])  # fmt: skip
+    bench = run([*SHAPES, "--configs", "b,c", "--long-context", "0", "--budget-s", "2.5",
+                 "--out", str(tmp_path)])  # fmt: skip
     rows = json.loads((tmp_path / "serving.json").read_text())["rows"]
     assert rows == bench.rows
     assert set(_warm(rows)) == {(c, n) for c in "bc" for n in (1, 2)}
@@ -71,8 +75,8 @@ def test_points_past_the_budget_are_skipped_and_the_results_still_written(tmp_pa
 
 def test_a_failing_config_records_its_error_and_the_others_still_run(tmp_path, capsys):
     # One host block and 4 device blocks of 16 tokens cannot hold a 292-token context: config d cannot start.
-    code = serving.main([*SHAPES, "--configs", "d,b", "--long-context", "0", "--offload-device-blocks", "4",
-                         "--offload-gb", "1e-6", "--budget-s", "60", "--out", str(tmp_path)])  # fmt: skip
+    code = main([*SHAPES, "--configs", "d,b", "--long-context", "0", "--offload-device-blocks", "4",
+                 "--offload-gb", "1e-6", "--budget-s", "60", "--out", str(tmp_path)])  # fmt: skip
     assert code == 1
     warm = _warm(json.loads((tmp_path / "serving.json").read_text())["rows"])
     assert all("capacity" in warm[("d", n)]["error"] for n in (1, 2))
@@ -82,20 +86,20 @@ def test_a_failing_config_records_its_error_and_the_others_still_run(tmp_path, c
 
 def test_summaries_of_known_results():
     results = [
-        serving.RequestResult("x", [1, 2, 3], 0.1, [0.01, 0.03], 0.2, 100, 80, [0.1, 0.11, 0.14]),
-        serving.RequestResult("y", [4, 5, 6], 0.3, [0.02, 0.02], 0.4, 100, 0, [0.3, 0.32, 0.34]),
+        RequestResult("x", [1, 2, 3], 0.1, [0.01, 0.03], 0.2, 100, 80, [0.1, 0.11, 0.14]),
+        RequestResult("y", [4, 5, 6], 0.3, [0.02, 0.02], 0.4, 100, 0, [0.3, 0.32, 0.34]),
     ]
-    row = serving.summarize(results, seconds=2.0)
+    row = summarize(results, seconds=2.0)
     assert row["requests"] == 2 and row["output_tokens"] == 6 and row["output_tok_s"] == 3.0
     assert row["ttft_p50_ms"] == 200.0 and abs(row["itl_p50_ms"] - 20.0) < 1e-9 and row["prefix_hit_rate"] == 0.4
-    assert serving.decode_rate([0.0, 1.0, 1.5, 2.0], 1, 3) == 2.0 and serving.decode_rate([0.0], 0, 5) is None
+    assert decode_rate([0.0, 1.0, 1.5, 2.0], 1, 3) == 2.0 and decode_rate([0.0], 0, 5) is None
     # 4 requests on 2 clients after 1-client requests of 3 s: 2 rounds of 3 s, batch twice as large.
-    assert serving.predict_point_s(4, 2, 1, 3.0) == 12.0 and serving.predict_point_s(64, 64, 16, 2.0) == 8.0
+    assert predict_point_s(4, 2, 1, 3.0) == 12.0 and predict_point_s(64, 64, 16, 2.0) == 8.0
     rows = [{"phase": "warm", "config": c, "concurrency": n, "output_tok_s": v}
             for c, n, v in [("a", 1, 10.0), ("c", 1, 4.0), ("a", 2, 18.0), ("c", 2, 12.0), ("b", 1, 5.0)]]  # fmt: skip
-    assert serving.ratios(rows, "a", "c") == {"1": 2.5, "2": 1.5} and serving.ratios(rows, "a", "b") == {"1": 2.0}
-    workload = serving.Workload(60_000, 2048, 512, 1000)
-    targets = serving.target_report(rows, workload, [1, 2])
+    assert ratios(rows, "a", "c") == {"1": 2.5, "2": 1.5} and ratios(rows, "a", "b") == {"1": 2.0}
+    workload = Workload(60_000, 2048, 512, 1000)
+    targets = target_report(rows, workload, [1, 2])
     assert targets["a_over_c_ge_1.8_every_concurrency"] is False and targets["a_over_b_ge_2_at_60k"] is True
-    assert serving.target_report(rows, workload, [1, 2, 4])["a_over_c_ge_1.8_every_concurrency"] is None
+    assert target_report(rows, workload, [1, 2, 4])["a_over_c_ge_1.8_every_concurrency"] is None
     assert targets["offload_miss_copy_ge_40_gbps"] is None
