@@ -73,6 +73,11 @@ class TieredKVCacheManager(KVCacheManager):
         super().__init__(sizes.num_device, block_size, enable_prefix_caching)
         if hot_blocks < 1 or keep_tail_blocks < 1:
             raise ValueError(f"need hot_blocks >= 1 and keep_tail_blocks >= 1, got {hot_blocks}, {keep_tail_blocks}")
+        if self.pool.num_usable_blocks - hot_blocks - keep_tail_blocks < 1:
+            raise ValueError(
+                f"{self.pool.num_usable_blocks} device blocks leave no room for a prefill chunk next to a request's "
+                f"hot buffer ({hot_blocks}) and kept tail ({keep_tail_blocks}): give the device more KV blocks"
+            )
         self.host = HostBlockPool(sizes.num_device, sizes.num_host)
         self.hot_blocks = hot_blocks
         self.keep_tail_blocks = keep_tail_blocks
@@ -93,6 +98,12 @@ class TieredKVCacheManager(KVCacheManager):
     @property
     def capacity_tokens(self) -> int:
         return (self.pool.num_usable_blocks + self.host.num_blocks) * self.block_size
+
+    @property
+    def max_chunk_tokens(self) -> int:
+        """A chunk's new blocks must sit on the device during its step, next to the request's own kept tail and
+        hot buffer; every other block can move to the host.  A larger chunk could never be placed."""
+        return (self.pool.num_usable_blocks - self.hot_blocks - self.keep_tail_blocks) * self.block_size
 
     @property
     def host_usage(self) -> float:

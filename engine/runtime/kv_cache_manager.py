@@ -53,6 +53,11 @@ class KVCacheManager:
     def capacity_tokens(self) -> int:
         return self.pool.num_usable_blocks * self.block_size
 
+    @property
+    def max_chunk_tokens(self) -> int:
+        """The most new tokens one step may give a request: what the pool can place at once."""
+        return self.capacity_tokens
+
     def block_ids(self, request_id: str) -> np.ndarray:
         """The request's page table as block ids (a view valid until its next allocation; do not modify)."""
         return self._block_ids.get(request_id, _NO_BLOCKS)[: self.num_held_blocks(request_id)]

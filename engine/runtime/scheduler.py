@@ -162,7 +162,8 @@ class Scheduler:
                 index += 1  # its last token is being sampled; update() finishes it
                 continue
             start = request.num_computed_tokens
-            num_new = self._fit_encoder(request, start, min(request.num_tokens_to_compute, budget.tokens), budget)
+            num_new = self._fit_encoder(request, start, min(request.num_tokens_to_compute, self._chunk_limit(budget)),
+                                        budget)  # fmt: skip
             if num_new == 0:
                 index += 1
                 continue
@@ -225,7 +226,7 @@ class Scheduler:
             if whole_context + reserve > self.kv.num_free_blocks:
                 break  # head of line waits for room: admitting others past it would starve it
             num_new = self._fit_encoder(
-                request, num_cached, min(request.num_tokens - num_cached, budget.tokens), budget
+                request, num_cached, min(request.num_tokens - num_cached, self._chunk_limit(budget)), budget
             )
             if num_new == 0:
                 break
@@ -242,6 +243,11 @@ class Scheduler:
             out.requests.append(ScheduledRequest(request, num_cached, num_new, self.kv.block_ids(request.request_id)))
             budget.tokens -= num_new
             reserve += self._growth_blocks(request)
+
+    def _chunk_limit(self, budget: _StepBudget) -> int:
+        """New tokens a request may take this step: the step's budget, and what the KV manager can place at once
+        (with CPU KV offload, less than the device pool)."""
+        return min(budget.tokens, self.kv.max_chunk_tokens)
 
     def _waiting_order(self) -> list[Request]:
         """Priority first; then, among the oldest ``prefix_order_window``, the longest cached prefix."""

@@ -41,8 +41,8 @@ def without_offload(tiny_model_dir) -> dict[str, list[int]]:
 
 
 def _offload_core(model_dir, **overrides):
-    config = EngineConfig(model=str(model_dir), num_kv_blocks=DEVICE_BLOCKS, kv_offload_gb=0.001,
-                          max_num_batched_tokens=64, **overrides)  # fmt: skip
+    settings = {"num_kv_blocks": DEVICE_BLOCKS, "kv_offload_gb": 0.001, "max_num_batched_tokens": 64, **overrides}
+    config = EngineConfig(model=str(model_dir), **settings)
     return build_engine_core(config)
 
 
@@ -80,3 +80,12 @@ def test_bad_offload_settings_are_refused(tiny_model_dir):
         _offload_core(tiny_model_dir, kv_offload_hot_blocks=5)
     with pytest.raises(ValueError, match="no MSA layer"):
         _offload_core(tiny_model_dir, attention="dense")
+
+
+def test_a_chunk_budget_beyond_the_device_is_capped_to_what_fits(tiny_model_dir, without_offload):
+    """512 batched tokens are 32 blocks against 15 on the device: a first chunk that large could never be placed,
+    so the scheduler caps every chunk at what the device holds next to a hot buffer and the kept tail."""
+    core = _offload_core(tiny_model_dir, max_num_batched_tokens=512)
+    assert core.scheduler.kv.max_chunk_tokens < 512
+    assert _generate(core) == without_offload
+    assert core.stats().offload.spilled_blocks > 0
