@@ -10,7 +10,7 @@ clients run in a spawned process of their own.  The configs differ only in their
 * ``b``: the same engine with every layer dense (``attention="dense"``);
 * ``c``: the naive MSA path (``attention="naive"``: reference gather + query-major, plain PyTorch);
 * ``d``: ``a`` with CPU KV offload: a pinned host pool and ``--offload-device-blocks`` device blocks (default:
-  the prefix + half the largest point's own blocks + one hot buffer), prefill chunks capped to fit them.
+  the prefix + half the largest point's own blocks + one hot buffer).
 
 Workload (agentic shape): one shared prefix (``--prefix-tokens``), a unique suffix per request
 (``--suffix-tokens``), ``--output-tokens`` greedy tokens with ``ignore_eos``.  Per config: an untimed warm-up

@@ -78,19 +78,15 @@ class Bench:
                       host_blocks: int) -> EngineConfig:  # fmt: skip
         from m3stack.engine.offload.layout import host_bytes_per_block
 
-        offload_gb, chunk = 0.0, self.args.max_num_batched_tokens
-        if CONFIGS[name][1]:
+        offload_gb = 0.0
+        if CONFIGS[name][1]:  # the engine caps prefill chunks to what its device pool can place
             device_blocks = self.offload_device_blocks()
             spec = self.model.kv_cache_spec(self.dtype)
             offload_gb = self.args.offload_gb or (host_blocks + 1) * host_bytes_per_block(spec) / 2**30
-            # A prefill chunk must fit the free device blocks: blocks spill only once computed, and a first chunk
-            # larger than the device would wait for admission forever.
-            room = (device_blocks - self.hot_blocks()) // 4
-            chunk = min(chunk, max(1, room) * self.block_size)
         return EngineConfig(device=self.device.type, dtype=str(self.dtype).removeprefix("torch."),
-                            max_num_seqs=max_num_seqs, max_num_batched_tokens=chunk, max_model_len=max_model_len,
-                            num_kv_blocks=device_blocks, attention=self.attention(name), kv_offload_gb=offload_gb,
-                            seed=self.args.seed)  # fmt: skip
+                            max_num_seqs=max_num_seqs, max_num_batched_tokens=self.args.max_num_batched_tokens,
+                            max_model_len=max_model_len, num_kv_blocks=device_blocks, attention=self.attention(name),
+                            kv_offload_gb=offload_gb, seed=self.args.seed)  # fmt: skip
 
     def attention(self, name: str) -> str:
         attention = CONFIGS[name][0]
