@@ -170,7 +170,9 @@ def _merge_columns(
     tl.store(page_ids_ptr + row_start[:, None] + out, page * HIDX + head[:, None], mask=valid)
 
 
-@triton.jit
+# Counts and widths that change from step to step stay unspecialized: Triton would otherwise compile a
+# variant per value class (1, multiples of 16, others) the first time a step meets it, mid-serving.
+@triton.jit(do_not_specialize=["num_splits", "num_tokens", "stride_pt"])
 def _scan_kernel(
     q_ptr, key_ptr, page_table_ptr, query_start_ptr, seq_lens_ptr, list_ptr, head_ptr, counter_ptr,
     row_indptr_ptr, selected_ptr, page_ids_ptr,
@@ -259,7 +261,7 @@ def _scan_kernel(
             )  # fmt: skip
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_splits", "num_tokens", "stride_pt"])
 def _merge_kernel(
     list_ptr, head_ptr, page_table_ptr, query_start_ptr, seq_lens_ptr, row_indptr_ptr, selected_ptr, page_ids_ptr,
     stride_pt, num_splits, num_tokens,

@@ -47,7 +47,9 @@ class PageRows:
         return self.row_indptr is None
 
 
-@triton.jit
+# Counts and widths that change from step to step stay unspecialized: Triton would otherwise compile a
+# variant per value class (1, multiples of 16, others) the first time a step meets it, mid-serving.
+@triton.jit(do_not_specialize=["pages_per_split", "num_splits", "stride_pt"])
 def _attention_kernel(
     q_ptr, key_ptr, value_ptr, out_ptr, partial_o_ptr, partial_lse_ptr,
     token_request_ptr, positions_ptr, page_table_ptr, row_indptr_ptr, page_ids_ptr, last_len_ptr, counter_ptr,
@@ -153,7 +155,7 @@ def _combine_row(
              out.to(out_ptr.dtype.element_ty), mask=(groups < G)[:, None])  # fmt: skip
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_splits"])
 def _merge_kernel(
     out_ptr, partial_o_ptr, partial_lse_ptr, stride_ot, stride_oh, num_splits,
     HKV: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr,

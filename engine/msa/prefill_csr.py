@@ -86,7 +86,9 @@ def _entry_buckets(
     return tl.where(valid, bucket, -1), entry
 
 
-@triton.jit
+# Counts and widths that change from step to step stay unspecialized: Triton would otherwise compile a
+# variant per value class (1, multiples of 16, others) the first time a step meets it, mid-serving.
+@triton.jit(do_not_specialize=["n_entries", "n_tokens", "NB", "CHUNK"])
 def _bucket_pass_kernel(
     sel_ptr, positions_ptr, token_request_ptr, request_first_block_ptr, counts_ptr, row_ptr_ptr, rank_ptr,
     entries_ptr, n_entries, n_tokens, stride_sh, stride_st, NB, CHUNK,
@@ -110,7 +112,7 @@ def _bucket_pass_kernel(
         tl.store(rank_ptr + e, rank, mask=valid)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n_buckets", "queries_per_item", "items_per_chunk", "NB"])
 def _items_kernel(
     row_ptr_ptr, item_ptr_ptr, block_page_ptr, block_first_pos_ptr, block_num_keys_ptr, items_ptr,
     n_buckets, queries_per_item, items_per_chunk, NB,

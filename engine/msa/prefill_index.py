@@ -111,7 +111,9 @@ def _tile_rows(
     return request, token, head, row_mask, q_block - num_local + 1, num_local
 
 
-@triton.jit
+# Counts and widths that change from step to step stay unspecialized: Triton would otherwise compile a
+# variant per value class (1, multiples of 16, others) the first time a step meets it, mid-serving.
+@triton.jit(do_not_specialize=["n_tiles", "n_tokens", "blocks_per_split", "stride_pt"])
 def _index_topk_kernel(
     q_ptr, key_ptr, page_table_ptr, positions_ptr, tile_ptr, out_ptr, cand_score_ptr, cand_id_ptr,
     n_tiles, n_tokens, blocks_per_split, stride_qt, stride_qh, stride_kp, stride_kb, stride_pt,
@@ -155,7 +157,7 @@ def _index_topk_kernel(
         tl.store(cand_id_ptr + cand, st_id, mask=keep)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n_tiles", "n_tokens"])
 def _index_topk_merge_kernel(
     positions_ptr, tile_ptr, out_ptr, cand_score_ptr, cand_id_ptr, n_tiles, n_tokens,
     H: tl.constexpr, HP: tl.constexpr, B: tl.constexpr, TILE: tl.constexpr, K: tl.constexpr, KP: tl.constexpr,
