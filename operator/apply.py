@@ -30,6 +30,7 @@ PLURALS = {
     "PodDisruptionBudget": "poddisruptionbudgets",
     "HorizontalPodAutoscaler": "horizontalpodautoscalers",
     "Ingress": "ingresses",
+    "NetworkPolicy": "networkpolicies",
     "ScaledObject": "scaledobjects",
     "LeaderWorkerSet": "leaderworkersets",
     "Pod": "pods",

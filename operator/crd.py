@@ -321,6 +321,12 @@ ENGINE_SCHEMA = obj(
         "shmSize": quantity("Size of the memory-backed /dev/shm.", default="16Gi"),
         "env": _env(),
         "extraArgs": _extra_args("engine"),
+        "networkPolicy": boolean(
+            "A NetworkPolicy letting only this resource's gateways reach the engines' gRPC port (the engine "
+            "trusts its callers' media content hashes), its engine pods reach each other, and anyone the metrics "
+            "port.",
+            default=True,
+        ),
         **_scheduling_fields("engine"),
     },
     default={},

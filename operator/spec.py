@@ -100,6 +100,7 @@ class Engine:
     env: list[dict[str, Any]]
     extra_args: list[str]
     scheduling: Scheduling
+    network_policy: bool
 
 
 @dataclass(frozen=True)
@@ -258,6 +259,7 @@ def _engine(raw: Mapping[str, Any]) -> Engine:
         env=list(raw.get("env", [])),
         extra_args=list(raw.get("extraArgs", [])),
         scheduling=_scheduling(raw),
+        network_policy=raw["networkPolicy"],
     )
 
 

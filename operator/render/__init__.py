@@ -25,6 +25,7 @@ from m3stack.operator.render.multinode import (
     is_multi_node,
     leaders_only,
 )
+from m3stack.operator.render.network import engine_network_policy
 from m3stack.operator.spec import M3Deployment
 
 Manifest = dict[str, Any]
@@ -50,6 +51,7 @@ DEPLOYMENT = ChildKind("apps/v1", "Deployment")
 POD_DISRUPTION_BUDGET = ChildKind("policy/v1", "PodDisruptionBudget")
 HORIZONTAL_POD_AUTOSCALER = ChildKind("autoscaling/v2", "HorizontalPodAutoscaler")
 INGRESS = ChildKind("networking.k8s.io/v1", "Ingress")
+NETWORK_POLICY = ChildKind("networking.k8s.io/v1", "NetworkPolicy")
 SCALED_OBJECT = ChildKind("keda.sh/v1alpha1", "ScaledObject")
 LEADER_WORKER_SET = ChildKind(LWS_API_VERSION, LWS_KIND)
 ALL_CHILD_KINDS = (
@@ -59,6 +61,7 @@ ALL_CHILD_KINDS = (
     POD_DISRUPTION_BUDGET,
     HORIZONTAL_POD_AUTOSCALER,
     INGRESS,
+    NETWORK_POLICY,
     SCALED_OBJECT,
     LEADER_WORKER_SET,
 )
@@ -100,4 +103,6 @@ def render_children(m3d: M3Deployment, images: Images) -> list[Manifest]:
         children.append(engine_autoscaler(m3d))
     if spec.exposure.ingress is not None:
         children.append(ingress(m3d, spec.exposure.ingress))
+    if spec.engine.network_policy:
+        children.append(engine_network_policy(m3d))
     return children

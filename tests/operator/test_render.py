@@ -23,6 +23,7 @@ def test_minimal_resource_renders_the_core_children(make_m3d, images):
         ("ConfigMap", "demo-config"),
         ("Deployment", "demo-engine"),
         ("Deployment", "demo-gateway"),
+        ("NetworkPolicy", "demo-engine"),
         ("PodDisruptionBudget", "demo-engine"),
         ("PodDisruptionBudget", "demo-gateway"),
         ("Service", "demo-engine"),
@@ -141,6 +142,42 @@ def test_engine_service_is_headless_and_the_gateway_is_told_its_address(make_m3d
     assert {port["port"] for port in service["spec"]["ports"]} == {6000, 9400}
     args = _container(children[("Deployment", "demo-gateway")])["args"]
     assert args[args.index("--engine-service") + 1] == "demo-engine.prod.svc:6000"
+
+
+def _allowed(policy, peer_labels: dict[str, str], port: str) -> bool:
+    """Whether ``policy`` lets a pod with ``peer_labels`` open ``port`` (a named container port) on its pods."""
+    for rule in policy["spec"]["ingress"]:
+        peers = rule.get("from")
+        peer_ok = peers is None or any(p["podSelector"]["matchLabels"].items() <= peer_labels.items() for p in peers)
+        ports = rule.get("ports")
+        if peer_ok and (ports is None or any(p["port"] == port for p in ports)):
+            return True
+    return False
+
+
+def test_only_the_resources_gateways_reach_the_engines_grpc_port(make_m3d, images):
+    children = _by_kind(render_children(make_m3d({"engine": {"multiNode": {"size": 2}, "accelerator": {"count": 1},
+                                                             "parallelism": {"tensor": 2}}}), images))  # fmt: skip
+    policy = children[("NetworkPolicy", "demo-engine")]
+    workload = children[("LeaderWorkerSet", "demo-engine")]["spec"]["leaderWorkerTemplate"]
+    engine_pods = [workload[role]["metadata"]["labels"] for role in ("leaderTemplate", "workerTemplate")]
+    gateway_pod = children[("Deployment", "demo-gateway")]["spec"]["template"]["metadata"]["labels"]
+    for pod in engine_pods:  # the policy governs every engine pod, leaders and workers
+        assert policy["spec"]["podSelector"]["matchLabels"].items() <= pod.items()
+    assert policy["spec"]["policyTypes"] == ["Ingress"]
+    other_gateway = {**gateway_pod, "m3stack.io/deployment": "other"}
+    stranger = {"app": "debug-shell"}
+    assert _allowed(policy, gateway_pod, "grpc")
+    assert not _allowed(policy, other_gateway, "grpc") and not _allowed(policy, stranger, "grpc")
+    assert _allowed(policy, engine_pods[1], "rendezvous") and not _allowed(policy, gateway_pod, "rendezvous")
+    assert _allowed(policy, stranger, "metrics")
+    ports = {p["name"] for p in workload["leaderTemplate"]["spec"]["containers"][0]["ports"]}
+    assert {"grpc", "metrics", "rendezvous"} <= ports  # the names the policy uses are the pods' own
+
+
+def test_the_network_policy_can_be_turned_off(make_m3d, images):
+    children = render_children(make_m3d({"engine": {"networkPolicy": False}}), images)
+    assert "NetworkPolicy" not in {child["kind"] for child in children}
 
 
 def test_checkpoint_claim_is_mounted_read_only_in_both_tiers(make_m3d, images):

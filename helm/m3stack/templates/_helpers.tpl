@@ -60,7 +60,7 @@ helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" }}
   resources: [leaderworkersets]
   verbs: [create, delete, get, list, patch, watch]
 - apiGroups: [networking.k8s.io]
-  resources: [ingresses]
+  resources: [ingresses, networkpolicies]
   verbs: [create, delete, get, list, patch, watch]
 - apiGroups: [policy]
   resources: [poddisruptionbudgets]

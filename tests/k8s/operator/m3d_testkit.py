@@ -81,7 +81,9 @@ class Kube:
         return self.json("get", "m3deployment", name)
 
     def children(
-        self, name: str, kinds: str = "deployments,services,configmaps,poddisruptionbudgets,hpa,ingresses"
+        self,
+        name: str,
+        kinds: str = "deployments,services,configmaps,poddisruptionbudgets,hpa,ingresses,networkpolicies",
     ) -> list[dict]:
         return self.json("get", kinds, "-l", f"m3stack.io/deployment={name}")["items"]
 

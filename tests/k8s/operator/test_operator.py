@@ -82,6 +82,7 @@ def test_the_example_becomes_ready_with_owned_children(kube):
         ("ConfigMap", "tiny-config"),
         ("Deployment", "tiny-engine"),
         ("Deployment", "tiny-gateway"),
+        ("NetworkPolicy", "tiny-engine"),
         ("PodDisruptionBudget", "tiny-engine"),
         ("PodDisruptionBudget", "tiny-gateway"),
         ("Service", "tiny-engine"),
@@ -265,6 +266,8 @@ def test_children_no_longer_wanted_are_pruned(kube):
     kube("patch", "m3d", "pruned", "--type=json", "-p", json.dumps([
         {"op": "remove", "path": "/spec/exposure/ingress"},
         {"op": "replace", "path": "/spec/autoscaling/gateway/enabled", "value": False},
+        {"op": "add", "path": "/spec/engine/networkPolicy", "value": False},
     ]))  # fmt: skip
-    wait_for("the HPA and the Ingress to be deleted", lambda: not kube.children("pruned", "hpa,ingresses"))
+    wait_for("the HPA, the Ingress and the NetworkPolicy to be deleted",
+             lambda: not kube.children("pruned", "hpa,ingresses,networkpolicies"))  # fmt: skip
     kube.wait_ready("pruned")
