@@ -31,7 +31,6 @@ import torch
 
 from m3stack.engine.attention.flashinfer_dense import FLASHINFER_HEAD_DIMS, FlashInferDense
 from m3stack.engine.attention.metadata import AttentionMetadata
-from m3stack.engine.attention.pure_decode_plan import plan_pure_decode
 from m3stack.engine.kv_cache.tensors import LayerKVCache
 from m3stack.engine.msa.decode_attention import (
     WORKSPACE_BYTES,
@@ -71,7 +70,6 @@ class _DecodeSlot:
     graphs captured for that size replay over it (engine.runtime.cuda_graphs)."""
 
     token_request: torch.Tensor  # arange(R) int32
-    token_request_cpu: torch.Tensor  # the same on the host (what the plan buffers are filled from)
     plan_buffers: DecodePlanBuffers | None  # None without MSA layers
     dense_flashinfer: FlashInferDense | None
     sparse_flashinfer: FlashInferSparseDecode | None
@@ -179,7 +177,6 @@ class GpuAttentionBackend:
             buffers = DecodePlanBuffers(num_requests, shape, self.device) if shape is not None else None
             slot = _DecodeSlot(
                 token_request=torch.arange(num_requests, dtype=torch.int32, device=self.device),
-                token_request_cpu=torch.arange(num_requests, dtype=torch.int32),
                 plan_buffers=buffers,
                 dense_flashinfer=FlashInferDense(self._workspace, num_requests) if self.use_flashinfer else None,
                 sparse_flashinfer=(FlashInferSparseDecode(self.device, self._workspace, buffers)
@@ -221,11 +218,8 @@ class GpuAttentionBackend:
         max_query_len = 1 if slot is not None else metadata.max_query_len
         if shape is not None and max_query_len * num_kv_heads <= MAX_DECODE_COLUMNS and not offload_prefill:
             programs_per_sm = self.decode_tuning.scan_programs_per_sm
-            if slot is not None and buffers is not None:  # pure decode: the same plan, in a few numpy ops
-                decode = plan_pure_decode(metadata, shape, buffers, slot.token_request_cpu, programs_per_sm)
-            else:
-                decode = plan_sparse_decode(metadata, shape, self.device, buffers=buffers,
-                                            scan_programs_per_sm=programs_per_sm)  # fmt: skip
+            decode = plan_sparse_decode(metadata, shape, self.device, buffers=buffers,
+                                        scan_programs_per_sm=programs_per_sm)  # fmt: skip
             if sparse_fi is not None:
                 sparse_fi.plan(decode, key_cache.dtype, head_dim**-0.5)
         return _StepPlan(dense_rows, dense_fi, decode, sparse_fi, slot)

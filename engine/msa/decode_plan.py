@@ -14,6 +14,7 @@ the HND cache viewed as ``[num_pages * Hkv, 1, B, D]``.
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from m3stack.engine.attention.metadata import AttentionMetadata
@@ -76,11 +77,20 @@ class SparseDecodePlan:
 
 def token_positions_cpu(metadata: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
     """Host copies of each new token's request and position (new tokens are the last of each request)."""
-    starts = metadata.query_start_loc_cpu.to(torch.int64)
-    query_lens = starts[1:] - starts[:-1]
-    request = torch.repeat_interleave(torch.arange(metadata.num_requests), query_lens)
-    index_in_request = torch.arange(metadata.num_tokens) - starts[request]
-    positions = metadata.seq_lens_cpu.to(torch.int64)[request] - query_lens[request] + index_in_request
+    request, positions = _token_positions(metadata, metadata.is_pure_decode)
+    return torch.from_numpy(request), torch.from_numpy(positions)
+
+
+def _token_positions(metadata: AttentionMetadata, pure_decode: bool) -> tuple[np.ndarray, np.ndarray]:
+    """``token_positions_cpu`` in numpy (int64): a handful of numpy operations on tiny arrays cost far less
+    than torch's CPU ops, and this runs every step.  A pure-decode step's token r is request r's last."""
+    seq_lens = metadata.seq_lens_cpu.numpy().astype(np.int64)
+    if pure_decode:
+        return np.arange(metadata.num_requests, dtype=np.int64), seq_lens - 1
+    starts = metadata.query_start_loc_cpu.numpy().astype(np.int64)
+    query_lens = np.diff(starts)
+    request = np.repeat(np.arange(metadata.num_requests, dtype=np.int64), query_lens)
+    positions = seq_lens[request] - query_lens[request] + np.arange(metadata.num_tokens) - starts[request]
     return request, positions
 
 
@@ -148,13 +158,14 @@ def plan_sparse_decode(
     """
     if metadata.block_size != shape.block_size:
         raise ValueError(f"metadata.block_size {metadata.block_size} differs from the model's {shape.block_size}")
-    request, positions = token_positions_cpu(metadata)
-    q_block = positions // shape.block_size
-    pages_per_token = torch.clamp(q_block + 1, max=shape.topk)
-    pages_per_row = pages_per_token.repeat_interleave(shape.num_kv_heads)
-    row_indptr = torch.zeros(pages_per_row.numel() + 1, dtype=torch.int32)
-    torch.cumsum(pages_per_row, 0, out=row_indptr[1:])
-    last_page_len = (positions % shape.block_size + 1).to(torch.int32).repeat_interleave(shape.num_kv_heads)
+    pure_decode = metadata.is_pure_decode
+    request_np, positions = _token_positions(metadata, pure_decode)
+    heads = shape.num_kv_heads
+    pages_per_token = np.minimum(positions // shape.block_size + 1, shape.topk)
+    row_indptr_np = np.zeros(len(positions) * heads + 1, dtype=np.int32)
+    np.cumsum(np.repeat(pages_per_token, heads), out=row_indptr_np[1:])
+    row_indptr = torch.from_numpy(row_indptr_np)
+    last_page_len = torch.from_numpy(np.repeat((positions % shape.block_size + 1).astype(np.int32), heads))
     width = metadata.page_table.shape[1]
     if scan_splits is None:
         # Candidate blocks are those before the local ones: at most width - local_blocks per request.
@@ -162,7 +173,7 @@ def plan_sparse_decode(
                                           scan_programs_per_sm)  # fmt: skip
     if not 1 <= scan_splits <= MAX_SCAN_SPLITS:
         raise ValueError(f"scan_splits must be in [1, {MAX_SCAN_SPLITS}], got {scan_splits}")
-    request = request.to(torch.int32)
+    request = torch.from_numpy(request_np.astype(np.int32))
     if buffers is not None:
         buffers.fill(request, row_indptr, last_page_len)
         tensors = (buffers.token_request, buffers.row_indptr, buffers.last_page_len, buffers.page_ids,
@@ -179,8 +190,8 @@ def plan_sparse_decode(
     return SparseDecodePlan(
         shape=shape,
         num_requests=metadata.num_requests,
-        num_tokens=metadata.num_tokens,
-        max_query_len=metadata.max_query_len,
+        num_tokens=len(positions),
+        max_query_len=1 if pure_decode else metadata.max_query_len,
         token_request=token_request_dev,
         row_indptr=row_indptr_dev,
         row_indptr_cpu=row_indptr,
