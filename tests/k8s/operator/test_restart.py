@@ -43,7 +43,7 @@ def test_a_restart_in_the_middle_of_a_reconcile_converges_without_duplicates(kub
     assert kube.condition("restarted", "Degraded")["status"] == "False"
     children = kube.children("restarted")
     names = [(c["kind"], c["metadata"]["name"]) for c in children]
-    assert len(names) == len(set(names)) == 7
+    assert len(names) == len(set(names)) == 8  # the core children of test_operator.py, NetworkPolicy included
     for name in ("restarted-engine", "restarted-gateway"):
         replica_sets = kube.json("get", "replicasets", "-l", "m3stack.io/deployment=restarted")["items"]
         assert len([rs for rs in replica_sets if rs["metadata"]["ownerReferences"][0]["name"] == name]) == 1
