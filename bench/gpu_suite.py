@@ -5,7 +5,13 @@ On the H200 machine, from the repository root (see CONTRIBUTING.md and ../shared
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
         .whl/*.whl && export PYTHONPATH=/tmp/site:$PWD && PYTHONUNBUFFERED=1 python3 bench/gpu_suite.py --out $OUT
 
-    python3 bench/gpu_suite.py --out $OUT --only multi_gpu_float32,multi_gpu_False,multi_gpu_True,multi_gpu  # 2 GPUs
+    python3 bench/gpu_suite.py --out $OUT --only multi_gpu_float32,multi_gpu_False,multi_gpu_True,\
+        multi_gpu_reference,multi_gpu  # 2 GPUs
+
+``.whl`` holds what the machine lacks: FlashInfer and its two dependencies (``../shared/gpu/fetch-wheels.sh``),
+transformers >= 5.24 (the oracle), and for the serving benchmark's gRPC server grpcio >= 1.85.1 (the generated
+stubs' floor; the machine has 1.84), protobuf, grpcio-health-checking and prometheus_client (``pip download
+--no-deps --only-binary=:all: --python-version 3.12 --platform manylinux_2_17_x86_64 ...``), ~48 MB in all.
 
 Writes under --out: ``logs.tar.gz`` (a log per command) and ``results.tar.gz`` (each benchmark's
 ``<name>.json``), and prints the benchmarks' tables, pytest's summaries and a line per stage last.
@@ -71,7 +77,7 @@ def stages(results_dir: Path, selected: set[str] | None) -> list[Stage]:
         *[Stage(f"multi_gpu_{k}", [[python, "-m", "pytest", "-q", "-s", "-o", "log_cli=true", "--log-cli-level=INFO",
                                     "-p", "no:cacheprovider", "-rfE", "--tb=short", f"--timeout={limit - 20}",
                                     "tests/gpu/test_multi_gpu.py", "-k", k]], limit)
-          for k, limit in (("float32", 100), ("False", 260), ("True", 150))],
+          for k, limit in (("float32", 100), ("False", 260), ("True", 150), ("reference", 150))],
         Stage("multi_gpu", bench("multi_gpu", "--budget-s", "100"), 150),
     ]
     # fmt: on

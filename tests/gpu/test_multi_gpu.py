@@ -150,12 +150,22 @@ def _engine_greedy(config: EngineConfig) -> dict[str, tuple[list[int], list[tupl
 
 @pytest.mark.parametrize("expert_parallel", [False, True])
 def test_bfloat16_engine_two_ranks_agree_with_one_rank(tmp_path_factory, expert_parallel):
+    _check_two_ranks_agree(tmp_path_factory, expert_parallel, attention="auto")
+
+
+def test_bfloat16_engine_two_ranks_agree_on_the_reference_attention(tmp_path_factory):
+    """The same with plain-PyTorch attention: tells a fault of the MSA kernels under tensor parallelism (the
+    H200 run of 2026-12-01 faulted in the decode index scan on rank 1) from one of the parallel engine."""
+    _check_two_ranks_agree(tmp_path_factory, expert_parallel=False, attention="naive")
+
+
+def _check_two_ranks_agree(tmp_path_factory, expert_parallel: bool, attention: str) -> None:
     from bench.engine_step import model_config
     from bench.multi_gpu import write_checkpoint
 
     folder = write_checkpoint(tmp_path_factory.getbasetemp() / "m3dims-2", model_config(2, moe=True))
     config = EngineConfig(model=str(folder), device="cuda", dtype="bfloat16", kv_cache_gb=4.0, cuda_graphs=False,
-                          max_num_batched_tokens=2048)  # fmt: skip
+                          max_num_batched_tokens=2048, attention=attention)  # fmt: skip
     single = _engine_greedy(config)
     torch.cuda.empty_cache()
     double = _engine_greedy(
