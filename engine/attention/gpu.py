@@ -46,6 +46,7 @@ from m3stack.engine.msa.paged_attention import PageRows, paged_attention
 from m3stack.engine.msa.prefill_attention import sparse_prefill
 from m3stack.engine.msa.prefill_index import prefill_index_topk
 from m3stack.engine.msa.store import store_kv
+from m3stack.engine.runtime.host_copy import upload
 
 if TYPE_CHECKING:
     from m3stack.engine.offload.device import DeviceOffload
@@ -203,9 +204,7 @@ class GpuAttentionBackend:
         else:
             lens = metadata.query_lens_cpu.to(torch.int64)
             request = torch.repeat_interleave(torch.arange(metadata.num_requests, dtype=torch.int32), lens)
-            if self.device.type == "cuda":
-                request = request.pin_memory()  # a copy from pageable memory may wait for the step in flight
-            token_request, buffers = request.to(self.device, non_blocking=True), None
+            token_request, buffers = upload(request, self.device), None
             dense_fi, sparse_fi = self._fi_dense, self._fi_sparse
         # Launch sizes follow the page table's width, fixed across the steps a CUDA graph replays.
         dense_rows = PageRows(token_request=token_request, positions=metadata.positions,

@@ -36,6 +36,7 @@ from m3stack.engine.offload.page_copy import copy_pages
 from m3stack.engine.offload.prefill_staging import gather_working_set, request_metadata
 from m3stack.engine.offload.resolver import churn, entries_per_request, resolve_decode_pages, resolve_request
 from m3stack.engine.offload.tiered_manager import Migration, TieredKVCacheManager
+from m3stack.engine.runtime.host_copy import staged, upload
 
 # Device counters are copied back at most this often (the server asks for statistics after every step).
 _STATS_PERIOD_S = 0.25
@@ -109,8 +110,7 @@ class DeviceOffload:
         self._step_handles, self._step_query_lens = handles, query_lens
         if handles.size and (handles >= 0).any():
             self.handles.fill_(-1)
-            # Pageable source: the driver stages it at once, so this never waits for a step in flight.
-            self.handles[: handles.size].copy_(torch.from_numpy(handles), non_blocking=True)
+            self.handles[: handles.size].copy_(staged(handles, self.device), non_blocking=True)
             self._handles_dirty = True
         elif self._handles_dirty:
             self.handles.fill_(-1)
@@ -126,14 +126,13 @@ class DeviceOffload:
 
     def _migrate(self, migrations: list[Migration]) -> None:
         cache = self.cache
-        device_ids = torch.tensor([m.device_id for m in migrations], dtype=torch.int64)
-        host_ids = torch.tensor([m.host_id for m in migrations], dtype=torch.int64)
-        slots = torch.tensor([m.host_slot for m in migrations], dtype=torch.int32)
+        rows = [(m.device_id, m.host_id, m.host_slot) for m in migrations]
+        # One upload, transposed on the device: [3, N] rows of device ids, host ids, host slots.
+        device_ids, host_ids, slots = upload(torch.tensor(rows, dtype=torch.int64), self.device).T
         copy_pages(
             cache.device_sparse.flatten(0, 1), cache.host_sparse.flatten(0, 1),
-            device_ids.to(torch.int32).to(self.device), slots.to(self.device), torch_only=self.torch_copies,
+            device_ids.to(torch.int32), slots.to(torch.int32), torch_only=self.torch_copies,
         )  # fmt: skip
-        device_ids, host_ids = device_ids.to(self.device), host_ids.to(self.device)
         cache.index_keys[:, host_ids] = cache.index_keys[:, device_ids]
         if cache.dense_kv is not None:
             cache.dense_kv[:, :, host_ids] = cache.dense_kv[:, :, device_ids]

@@ -14,6 +14,7 @@ import torch
 
 from m3stack.engine.attention.metadata import AttentionMetadata
 from m3stack.engine.runtime.encoder_cache import EncoderCache
+from m3stack.engine.runtime.host_copy import upload
 from m3stack.engine.runtime.request import PLACEHOLDER_TOKEN, Request
 from m3stack.engine.runtime.scheduler import ScheduledRequest, SchedulerOutput
 
@@ -150,12 +151,8 @@ def _plain_decode_inputs(scheduled: list[ScheduledRequest], block_size: int) -> 
 
 
 def to_device(host: HostInputs, block_size: int, device: torch.device, encoder_cache: EncoderCache) -> StepInputs:
-    pin = device.type == "cuda"
-
     def move(array: np.ndarray) -> torch.Tensor:
-        # From pinned memory on CUDA: a copy from pageable memory may wait for the step in flight.
-        tensor = torch.from_numpy(array)
-        return (tensor.pin_memory() if pin else tensor).to(device, non_blocking=True)
+        return upload(array, device)
 
     query_start_loc_cpu = torch.from_numpy(host.query_start_loc)
     seq_lens_cpu = torch.from_numpy(host.seq_lens)

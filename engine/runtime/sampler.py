@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from m3stack.engine.runtime.host_copy import upload
 from m3stack.engine.runtime.request import Request, SampledToken
 
 
@@ -39,8 +40,7 @@ class SamplingBatch:
 
 
 def _tensor(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    # Pinned on CUDA: a copy from pageable memory may wait for the stream (the step in flight).
-    return torch.tensor(values, dtype=dtype, pin_memory=device.type == "cuda").to(device, non_blocking=True)
+    return upload(torch.tensor(values, dtype=dtype), device)
 
 
 def build_sampling_batch(requests: Sequence[Request], vocab_size: int, device: torch.device) -> SamplingBatch:
