@@ -31,6 +31,7 @@ import torch
 
 from m3stack.engine.attention.flashinfer_dense import FLASHINFER_HEAD_DIMS, FlashInferDense
 from m3stack.engine.attention.metadata import AttentionMetadata
+from m3stack.engine.host_copy import upload
 from m3stack.engine.kv_cache.tensors import LayerKVCache
 from m3stack.engine.msa.decode_attention import (
     WORKSPACE_BYTES,
@@ -46,7 +47,6 @@ from m3stack.engine.msa.paged_attention import PageRows, paged_attention
 from m3stack.engine.msa.prefill_attention import sparse_prefill
 from m3stack.engine.msa.prefill_index import prefill_index_topk
 from m3stack.engine.msa.store import store_kv
-from m3stack.engine.runtime.host_copy import upload
 
 if TYPE_CHECKING:
     from m3stack.engine.offload.device import DeviceOffload

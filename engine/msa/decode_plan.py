@@ -18,6 +18,7 @@ import numpy as np
 import torch
 
 from m3stack.engine.attention.metadata import AttentionMetadata
+from m3stack.engine.host_copy import upload
 from m3stack.engine.msa.launch import multiprocessors
 
 # Index-scan programs per SM: the scan keeps ~70 KiB of shared memory, so three are resident per H200
@@ -180,7 +181,7 @@ def plan_sparse_decode(
                    buffers.scan_counters, buffers.attention_counters)  # fmt: skip
     else:
         page_ids = torch.empty(max(int(row_indptr[-1]), 1), dtype=torch.int32, device=device)
-        moved = (t.to(device, non_blocking=True) for t in (request, row_indptr, last_page_len))
+        moved = (upload(t, device) for t in (request, row_indptr, last_page_len))
         counters = (
             torch.zeros(n, dtype=torch.int32, device=device)
             for n in (metadata.num_requests, len(request) * shape.num_kv_heads)

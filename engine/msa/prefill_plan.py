@@ -9,6 +9,7 @@ from dataclasses import dataclass
 import torch
 
 from m3stack.engine.attention.metadata import AttentionMetadata
+from m3stack.engine.host_copy import upload
 
 
 def check_paged_layout(block_size: int, num_tokens: int, metadata: AttentionMetadata, what: str) -> None:
@@ -50,9 +51,7 @@ def token_tiles(metadata: AttentionMetadata, tile_tokens: int, device: torch.dev
     last_position = metadata.seq_lens_cpu.to(torch.int64)[request] - (starts[request + 1] - end_row) - 1
     order = torch.argsort(last_position, descending=True, stable=True)
     table = torch.stack([request, first_row, end_row])[:, order].to(torch.int32)
-    if device.type == "cuda":
-        table = table.pin_memory()  # so the copy below is truly asynchronous
-    return TokenTiles(table.to(device, non_blocking=True), count)
+    return TokenTiles(upload(table, device), count)
 
 
 def token_requests(metadata: AttentionMetadata) -> torch.Tensor:

@@ -27,6 +27,7 @@ import numpy as np
 import torch
 
 from m3stack.engine.attention.metadata import AttentionMetadata
+from m3stack.engine.host_copy import staged, upload
 from m3stack.engine.msa.decode_plan import SparseDecodePlan
 from m3stack.engine.msa.prefill_attention import sparse_prefill as msa_sparse_prefill
 from m3stack.engine.offload.hot_buffer import STAT_CHURNED, STAT_HITS, STAT_MISSES, STAT_SELECTED, HotStateTensors
@@ -36,7 +37,6 @@ from m3stack.engine.offload.page_copy import copy_pages
 from m3stack.engine.offload.prefill_staging import gather_working_set, request_metadata
 from m3stack.engine.offload.resolver import churn, entries_per_request, resolve_decode_pages, resolve_request
 from m3stack.engine.offload.tiered_manager import Migration, TieredKVCacheManager
-from m3stack.engine.runtime.host_copy import staged, upload
 
 # Device counters are copied back at most this often (the server asks for statistics after every step).
 _STATS_PERIOD_S = 0.25

@@ -15,6 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
+from m3stack.engine.host_copy import upload
 from m3stack.engine.msa.launch import multiprocessors, triton_interpreted
 
 # Elements one work item moves (a power of two; 8 KiB of bf16): many items keep PCIe reads in flight.
@@ -75,7 +76,7 @@ def copy_pages(
     check_page_tensors(src, dst)
     device = dst.device if dst.is_cuda else src.device
     if count is None:
-        count = torch.tensor([src_index.numel()], dtype=torch.int32, device=device)
+        count = upload(torch.tensor([src_index.numel()], dtype=torch.int32), device)
     if src_index.numel() == 0:
         return
     if (device.type == "cuda" or triton_interpreted()) and not torch_only:

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from m3stack.engine.attention.metadata import AttentionMetadata
+from m3stack.engine.host_copy import upload
 from m3stack.engine.offload.page_copy import copy_pages
 
 
@@ -59,7 +60,7 @@ def request_metadata(metadata: AttentionMetadata, request: int, page_table: torc
     starts = torch.tensor([0, end - start], dtype=torch.int32)
     return AttentionMetadata(
         block_size=metadata.block_size,
-        query_start_loc=starts.to(device),
+        query_start_loc=upload(starts, device),
         seq_lens=metadata.seq_lens[request : request + 1],
         positions=metadata.positions[start:end],
         slot_mapping=metadata.slot_mapping[start:end],

@@ -13,8 +13,8 @@ import numpy as np
 import torch
 
 from m3stack.engine.attention.metadata import AttentionMetadata
+from m3stack.engine.host_copy import upload
 from m3stack.engine.runtime.encoder_cache import EncoderCache
-from m3stack.engine.runtime.host_copy import upload
 from m3stack.engine.runtime.request import PLACEHOLDER_TOKEN, Request
 from m3stack.engine.runtime.scheduler import ScheduledRequest, SchedulerOutput
 
@@ -169,7 +169,7 @@ def to_device(host: HostInputs, block_size: int, device: torch.device, encoder_c
     mm_rows = mm_embeds = None
     if host.mm_slices:
         mm_rows = move(host.mm_rows)
-        mm_embeds = torch.cat([encoder_cache.get(key)[mask.to(device)] for key, mask in host.mm_slices])
+        mm_embeds = torch.cat([encoder_cache.get(key)[upload(mask, device)] for key, mask in host.mm_slices])
     return StepInputs(
         input_ids=move(host.input_ids),
         positions=metadata.positions,

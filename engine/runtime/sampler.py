@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from m3stack.engine.runtime.host_copy import upload
+from m3stack.engine.host_copy import upload
 from m3stack.engine.runtime.request import Request, SampledToken
 
 
