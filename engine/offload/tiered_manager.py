@@ -99,6 +99,26 @@ class TieredKVCacheManager(KVCacheManager):
     def capacity_tokens(self) -> int:
         return (self.pool.num_usable_blocks + self.host.num_blocks) * self.block_size
 
+    def can_admit(self, context_blocks: int, reserve: int) -> bool:
+        """Host slots count only for blocks that can get there.  A request too short to pay for a hot buffer
+        never spills: its blocks need the device's free blocks plus what spilling the running requests can
+        free (computed only when the free blocks alone do not do), else it would be admitted only to be
+        preempted when the device runs out."""
+        needed = context_blocks + reserve
+        if needed <= self.pool.num_free_blocks:
+            return True
+        if context_blocks - self.keep_tail_blocks > self.hot_blocks:
+            return super().can_admit(context_blocks, reserve)
+        return needed <= self.pool.num_free_blocks + min(self._movable_blocks(), self.host.num_free_blocks)
+
+    def _movable_blocks(self) -> int:
+        """Device blocks spilling could free now, net of the hot buffers it would have to lease."""
+        movable = 0
+        for request_id in self._holders:
+            lease_cost = 0 if request_id in self._leases else self.hot_blocks
+            movable += max(0, len(self._spillable(request_id)) - lease_cost)
+        return movable
+
     @property
     def max_chunk_tokens(self) -> int:
         """A chunk's new blocks must sit on the device during its step, next to the request's own kept tail and

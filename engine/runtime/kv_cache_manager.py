@@ -53,6 +53,11 @@ class KVCacheManager:
     def capacity_tokens(self) -> int:
         return self.pool.num_usable_blocks * self.block_size
 
+    def can_admit(self, context_blocks: int, reserve: int) -> bool:
+        """Whether a waiting request whose whole context needs ``context_blocks`` new blocks fits next to the
+        ``reserve`` blocks the running requests may still grow into."""
+        return context_blocks + reserve <= self.num_free_blocks
+
     @property
     def max_chunk_tokens(self) -> int:
         """The most new tokens one step may give a request: what the pool can place at once."""

@@ -223,7 +223,7 @@ class Scheduler:
             cached_prefix = self.kv.find_cached_prefix(request)
             num_cached = len(cached_prefix) * self.kv.block_size
             whole_context = self.kv.num_new_blocks(request, request.num_tokens - num_cached, cached_prefix)
-            if whole_context + reserve > self.kv.num_free_blocks:
+            if not self.kv.can_admit(whole_context, reserve):
                 break  # head of line waits for room: admitting others past it would starve it
             num_new = self._fit_encoder(
                 request, num_cached, min(request.num_tokens - num_cached, self._chunk_limit(budget)), budget

@@ -89,3 +89,21 @@ def test_a_chunk_budget_beyond_the_device_is_capped_to_what_fits(tiny_model_dir,
     assert core.scheduler.kv.max_chunk_tokens < 512
     assert _generate(core) == without_offload
     assert core.stats().offload.spilled_blocks > 0
+
+
+def test_requests_too_short_to_spill_wait_for_device_room_instead_of_being_preempted(tiny_model_dir):
+    """Six 60-token requests need 5 blocks each, 30 in all, on a 14-block device: none can pay for a hot
+    buffer, so host slots are no room for them; they are admitted as the device frees up, never preempted."""
+    rng = random.Random(5)
+    prompts = {f"s{i}": [rng.randrange(380) for _ in range(60)] for i in range(6)}
+    sampling = SamplingParams(temperature=0.0, max_new_tokens=NEW_TOKENS, ignore_eos=True)
+
+    def generate(core) -> dict[str, list[int]]:
+        requests = [build_request(core.info, rid, prompt, sampling) for rid, prompt in prompts.items()]
+        return {rid: r.token_ids for rid, r in offline.generate(core, requests, check_invariants=True).items()}
+
+    plain = generate(build_engine_core(EngineConfig(model=str(tiny_model_dir), num_kv_blocks=60)))
+    core = _offload_core(tiny_model_dir)
+    assert core.scheduler.kv.hot_blocks >= 5 - core.scheduler.kv.keep_tail_blocks
+    assert generate(core) == plain
+    assert core.scheduler.num_preemptions == 0
