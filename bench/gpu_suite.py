@@ -63,13 +63,16 @@ def stages(results_dir: Path, selected: set[str] | None) -> list[Stage]:
         pytest_stage("pytest", ["test_model_bf16.py", "test_runtime.py", "test_msa_decode.py",
                                 "test_msa_prefill.py", "test_offload.py"], 170),
         # The first context pays the kernels' compilation (~60 s), the second its dense peer's 4x work.
-        Stage("msa_prefill", bench("msa_prefill", "--no-sweep", "--contexts", "32768,131072", "--budget-s", "130"),
-              160),
+        Stage("msa_prefill", bench("msa_prefill", "--sweep-steps", "merge", "--contexts", "32768,131072",
+                                   "--budget-s", "150"), 180),
         Stage("engine_step", bench("engine_step", "--steps", "50"), 90),
         Stage("serving", bench("serving", "--budget-s", "180", "--configs", "a,b,d,c", "--concurrency", "1,8,32",
                                "--output-tokens", "64", "--requests-per-point", "2", "--long-context", "262144",
                                "--long-output-tokens", "64"), 200),
         Stage("msa_decode", bench("msa_decode"), 420),
+        # The targets' cases, the sweep only where the 7x target is missed (1M x 1).
+        Stage("msa_decode_targets", bench("msa_decode", "--contexts", "131072,1048576", "--batches", "1,8",
+                                          "--sweep-cases", "1048576x1"), 240),
         # 2 GPUs (kind nvidia-h200-x2): one process per test, one after the other, so a hung NCCL group cannot
         # take the next test down with it.
         # The first bf16 test pays FlashInfer's JIT compilation of the M3-dims kernels (~100 s on a fresh machine).

@@ -435,6 +435,8 @@ def main() -> int:
     parser.add_argument("--contexts", default=",".join(map(str, CONTEXTS)))
     parser.add_argument("--batches", default=",".join(map(str, BATCHES)))
     parser.add_argument("--no-sweep", action="store_true")
+    parser.add_argument("--sweep-cases", default=",".join(f"{c}x{b}" for c, b in SWEEP_CASES),
+                        help="CONTEXTxBATCH cases to sweep (those among the timed ones)")  # fmt: skip
     parser.add_argument("--table", type=Path, default=None, help="print the tables of a results file and exit")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
@@ -462,7 +464,8 @@ def main() -> int:
     contexts = [int(c) for c in args.contexts.split(",")]
     batches = [int(b) for b in args.batches.split(",")]
     wanted = [(c, b) for c in contexts for b in batches]
-    swept = [] if args.no_sweep else [cb for cb in SWEEP_CASES if cb in wanted]
+    sweep_cases = [tuple(int(n) for n in case.split("x")) for case in args.sweep_cases.split(",") if case]
+    swept = [] if args.no_sweep else [cb for cb in sweep_cases if cb in wanted]
     # The swept cases first (row, sweep, tuned row while their caches exist), then the other rows.
     order = [cb for cb in SWEEP_CASES if cb in wanted] + sorted(
         (cb for cb in wanted if cb not in SWEEP_CASES), key=lambda cb: (cb[1] > 8, -cb[0], cb[1])

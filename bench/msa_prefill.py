@@ -27,7 +27,7 @@ import statistics
 import sys
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -72,7 +72,8 @@ BLOCK_MAJOR_CONFIGS = [
 # last the merge kernel's launch.
 TILES_PER_ITEM = [32, 16, 64]
 WORKSPACES = [DEFAULT_WORKSPACE_BYTES, 512 << 20, 1 << 30, 8 << 30]
-MERGE_CONFIGS = [(4, 3), (2, 4), (4, 2), (8, 3)]  # (merge_num_warps, merge_num_stages)
+# (merge_num_warps, merge_num_stages, merge_tokens)
+MERGE_CONFIGS = [(4, 3, 2), (4, 3, 1), (4, 4, 2), (4, 3, 4), (2, 4, 2), (8, 3, 2), (4, 5, 4)]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -227,16 +228,24 @@ def attempt(row: dict[str, Any], key: str, fn: Callable[[], float]) -> float | N
     return value
 
 
-def sweep(layer: Layer) -> tuple[IndexTuning, AttentionConfig, list[dict[str, Any]]]:
+SWEEP_STEPS = ("indexer", "attend", "sized", "merge")
+
+
+def sweep(
+    layer: Layer, steps: Sequence[str] = SWEEP_STEPS
+) -> tuple[IndexTuning, AttentionConfig, list[dict[str, Any]]]:
     """Time each candidate config on ``layer``; return the fastest indexer and attention configs.
 
     Block-major goes in three steps, each timing the part its knobs change: the kernel configs on
     the attention kernels alone (one prebuilt plan each), then work-item size x workspace on the
-    whole call, then the merge launch on the merges alone."""
+    whole call, then the merge launch on the merges alone.  A step not in ``steps`` keeps its
+    first (default) config untimed."""
     results: list[dict[str, Any]] = []
     context = len(layer.q)
 
     def fastest(kernel: str, configs: list, timed: Callable[[Any], Callable[[], Any]]) -> Any:
+        if kernel.rsplit(maxsplit=1)[-1] not in steps:
+            return configs[0]
         best, best_ms = configs[0], math.inf
         for config in configs:
             entry = {"kernel": kernel, "config": describe(config), "context": context}
@@ -266,10 +275,12 @@ def sweep(layer: Layer) -> tuple[IndexTuning, AttentionConfig, list[dict[str, An
         for tiles in TILES_PER_ITEM
         for workspace in WORKSPACES
     ]
-    best = fastest("block_major", sized, lambda c: lambda: layer.attend(selection, "block_major", c))
+    best = fastest("block_major sized", sized, lambda c: lambda: layer.attend(selection, "block_major", c))
     merges = [
-        dataclasses.replace(best, tuning=dataclasses.replace(best.tuning, merge_num_warps=w, merge_num_stages=s))
-        for w, s in MERGE_CONFIGS
+        dataclasses.replace(
+            best, tuning=dataclasses.replace(best.tuning, merge_num_warps=w, merge_num_stages=s, merge_tokens=t)
+        )
+        for w, s, t in MERGE_CONFIGS
     ]
     return best_index, fastest("block_major merge", merges, merge_phase), results
 
@@ -378,6 +389,11 @@ def main() -> int:
     parser.add_argument("--contexts", default="8192,32768,131072,262144,1048576")
     parser.add_argument("--budget-s", type=float, default=370.0, help="skip contexts once this much time has passed")
     parser.add_argument("--no-sweep", action="store_true", help="use the default launch configs")
+    parser.add_argument(
+        "--sweep-steps",
+        default=",".join(SWEEP_STEPS),
+        help=f"which sweep steps run (of {','.join(SWEEP_STEPS)}); the others keep their defaults",
+    )
     parser.add_argument("--table", type=Path, default=None, help="print the tables of a results file and exit")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
@@ -395,7 +411,7 @@ def main() -> int:
     if not args.no_sweep and SWEEP_CONTEXT in contexts:
         layer = Layer(SWEEP_CONTEXT, seed=0, device=torch.device("cuda"))
         try:
-            index_tuning, attn_config, extra["sweep"] = sweep(layer)
+            index_tuning, attn_config, extra["sweep"] = sweep(layer, args.sweep_steps.split(","))
         except Exception:
             logger.error("sweep failed, using defaults:\n%s", traceback.format_exc())
         del layer

@@ -53,6 +53,7 @@ DEFAULT_PIPELINED_NUM_STAGES = 2  # without the register prefetch
 DEFAULT_TILES_PER_ITEM = 32
 DEFAULT_MERGE_NUM_WARPS = 4
 DEFAULT_MERGE_NUM_STAGES = 3
+DEFAULT_MERGE_TOKENS = 2
 
 
 # fmt: off
@@ -143,44 +144,59 @@ def _block_major_kernel(
         row_entry = next_entry
 
 
-@triton.jit(do_not_specialize=["token_offset"])
+@triton.jit(do_not_specialize=["token_offset", "chunk_len"])
 def _merge_kernel(
-    part_o_ptr, part_lse_ptr, sel_ptr, positions_ptr, out_ptr, token_offset, stride_sh, stride_st, stride_ot, stride_oh,
+    part_o_ptr, part_lse_ptr, sel_ptr, positions_ptr, out_ptr, token_offset, chunk_len,
+    stride_sh, stride_st, stride_ot, stride_oh,
     HKV: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, B: tl.constexpr,
-    K: tl.constexpr, KP: tl.constexpr, NUM_STAGES: tl.constexpr,
+    K: tl.constexpr, TOKENS: tl.constexpr, NUM_STAGES: tl.constexpr,
 ):
-    """One (token, KV head): out = sum_k 2^(lse_k - lse) O_k over the head's valid slots.
+    """TOKENS consecutive tokens of one KV head: out = sum_k 2^(lse_k - lse) O_k over each token's
+    valid slots.
 
-    The pair's partials are one contiguous K x G x D slab.  The LSEs of all slots come first (one
-    small load), so the weights are final before the partials stream in, each read once with
-    ``NUM_STAGES - 1`` slots in flight.  A program holds only a G x D accumulator, so many fit on
-    an SM and keep enough loads in flight to run at the copy rate (one program per token with all
-    query heads held 64 x 128 fp32 and ran at a quarter of it)."""
-    t_local = tl.program_id(0).to(tl.int64)
-    head = tl.program_id(1)
-    token = token_offset + t_local
-    q_block = (tl.load(positions_ptr + token) // B).to(tl.int32)
+    A (token, KV head)'s partials are one contiguous K x G x D slab.  The slots are folded in one at
+    a time with a running max and sum (the online softmax, over partials): no step waits on a
+    reduction across lanes, and every load of an iteration (the slot's block id, its G LSEs, its
+    G x D partial) has an address known from the loop index alone, so the pipeliner issues them
+    ``NUM_STAGES - 1`` slots ahead, across token boundaries too.  A slot is valid when its block
+    is selected and not in the token's future; an invalid slot's partial was never written (its
+    LSE and values may be any bits), so it is masked by weight, never multiplied in.  A program
+    holds a G x D accumulator, so many share an SM and keep enough loads in flight."""
+    pid = tl.program_id(0)
+    head = pid % HKV  # the HKV programs of a token group read one contiguous HKV x K x G x D region
+    first = (pid // HKV) * TOKENS
     g = tl.arange(0, GP)
-    g_live = g < G
-    slot = tl.arange(0, KP)
-    block = tl.load(sel_ptr + head * stride_sh + token * stride_st + slot, mask=slot < K, other=-1).to(tl.int32)
-    slot_live = (block >= 0) & (block <= q_block)
-    pair_row = (t_local * HKV + head) * K  # first slot's row in [chunk_tokens * HKV * K, G]
-    lse = tl.load(part_lse_ptr + (pair_row + slot[None, :]) * G + g[:, None], mask=g_live[:, None] & slot_live[None, :],
-                  other=NEG_INF)  # [GP, KP]
-    lse_max = tl.max(lse, axis=1)
-    weight = tl.exp2(lse - tl.where(lse_max == NEG_INF, 0.0, lse_max)[:, None])
-    weight = weight / tl.maximum(tl.sum(weight, axis=1), 1e-30)[:, None]  # rows with no slot stay 0
     d = tl.arange(0, DP)
-    io_mask = g_live[:, None] & (d[None, :] < D)
+    g_live = g < G
     acc = tl.zeros((GP, DP), dtype=tl.float32)
-    for k in tl.range(K, num_stages=NUM_STAGES):
-        slot_weight = tl.sum(tl.where(slot[None, :] == k, weight, 0.0), axis=1)
-        part = tl.load(part_o_ptr + ((pair_row + k) * G + g[:, None]) * D + d[None, :],
-                       mask=(slot_weight > 0)[:, None] & io_mask, other=0.0)
-        acc += slot_weight[:, None] * part.to(tl.float32)
-    tl.store(out_ptr + token * stride_ot + (head * G + g[:, None]) * stride_oh + d[None, :],
-             acc.to(out_ptr.dtype.element_ty), mask=io_mask)
+    run_max = tl.full((GP,), NEG_INF, tl.float32)
+    run_sum = tl.zeros((GP,), dtype=tl.float32)
+    for i in tl.range(TOKENS * K, num_stages=NUM_STAGES):
+        t_local = first + i // K
+        k = i % K
+        token_live = t_local < chunk_len
+        token = token_offset + t_local
+        block = tl.load(sel_ptr + head * stride_sh + token * stride_st + k, mask=token_live, other=-1)
+        q_block = tl.load(positions_ptr + token, mask=token_live, other=0) // B
+        row = ((t_local.to(tl.int64) * HKV + head) * K + k) * G + g  # [GP] rows of [chunk * HKV * K * G, D]
+        row_live = g_live & (t_local + tl.zeros_like(g) < chunk_len)  # a vector: the interpreter wants one
+        lse = tl.load(part_lse_ptr + row, mask=row_live, other=NEG_INF)
+        part = tl.load(part_o_ptr + row[:, None] * D + d[None, :], mask=row_live[:, None] & (d[None, :] < D), other=0.0)
+        lse = tl.where((block >= 0) & (block <= q_block), lse, NEG_INF)
+        new_max = tl.maximum(run_max, lse)
+        base = tl.where(new_max == NEG_INF, 0.0, new_max)
+        rescale = tl.exp2(run_max - base)
+        weight = tl.exp2(lse - base)  # 0 for an invalid slot, whose part may hold NaN bits
+        acc = acc * rescale[:, None] + tl.where(weight[:, None] > 0, weight[:, None] * part.to(tl.float32), 0.0)
+        run_sum = run_sum * rescale + weight
+        run_max = new_max
+        if k == K - 1:  # the token's last slot: write its rows (rows with no valid slot stay 0)
+            out = acc / tl.maximum(run_sum, 1e-30)[:, None]
+            tl.store(out_ptr + token * stride_ot + (head * G + g[:, None]) * stride_oh + d[None, :],
+                     out.to(out_ptr.dtype.element_ty), mask=row_live[:, None] & (d[None, :] < D))
+            acc = tl.zeros((GP, DP), dtype=tl.float32)
+            run_max = tl.full((GP,), NEG_INF, tl.float32)
+            run_sum = tl.zeros((GP,), dtype=tl.float32)
 # fmt: on
 
 
@@ -246,6 +262,7 @@ def attention_launch(tuning: PrefillTuning) -> dict[str, Any]:
 def merge_launch(tuning: PrefillTuning) -> dict[str, Any]:
     """The merge kernel's launch options for ``tuning``, defaults filled in."""
     return dict(
+        TOKENS=tuning.merge_tokens or DEFAULT_MERGE_TOKENS,
         NUM_STAGES=tuning.merge_num_stages or DEFAULT_MERGE_NUM_STAGES,
         num_warps=tuning.merge_num_warps or DEFAULT_MERGE_NUM_WARPS,
     )
@@ -281,11 +298,12 @@ def merge_chunk(
     num_tokens, num_q_heads, head_dim = out.shape
     num_kv_heads, _, topk = selection.shape
     token_offset = chunk * plan.csr.chunk_tokens
-    _merge_kernel[(min(plan.csr.chunk_tokens, num_tokens - token_offset), num_kv_heads)](
-        plan.part_o, plan.part_lse, selection, metadata.positions, out,
-        token_offset, selection.stride(0), selection.stride(1), out.stride(0), out.stride(1),
-        HKV=num_kv_heads, B=metadata.block_size, K=topk, KP=triton.next_power_of_2(topk),
-        **padded_dims(num_q_heads, num_kv_heads, head_dim), **merge_launch(plan.tuning),
+    chunk_len = min(plan.csr.chunk_tokens, num_tokens - token_offset)
+    launch = merge_launch(plan.tuning)
+    _merge_kernel[(triton.cdiv(chunk_len, launch["TOKENS"]) * num_kv_heads,)](
+        plan.part_o, plan.part_lse, selection, metadata.positions, out, token_offset, chunk_len,
+        selection.stride(0), selection.stride(1), out.stride(0), out.stride(1),
+        HKV=num_kv_heads, B=metadata.block_size, K=topk, **padded_dims(num_q_heads, num_kv_heads, head_dim), **launch,
     )  # fmt: skip
 
 

@@ -22,6 +22,7 @@ class PrefillTuning:
     num_stages: int | None = None  # block-major (pipeliner path) and query-major kernels
     merge_num_warps: int | None = None
     merge_num_stages: int | None = None  # partials in flight per merge program, plus one
+    merge_tokens: int | None = None  # consecutive tokens (of one KV head) per merge program
     query_major_num_warps: int | None = None
 
 

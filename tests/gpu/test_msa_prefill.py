@@ -9,7 +9,7 @@ dense); unused cache slots are NaN, so any read of them shows.
 import pytest
 import torch
 
-from bench.msa_prefill import BLOCK_MAJOR_CONFIGS, INDEX_CONFIGS, describe
+from bench.msa_prefill import BLOCK_MAJOR_CONFIGS, INDEX_CONFIGS, MERGE_CONFIGS, describe
 from m3stack.engine.msa import reference
 from m3stack.engine.msa.prefill_attention import sparse_prefill
 from m3stack.engine.msa.prefill_common import PrefillTuning
@@ -115,3 +115,16 @@ def test_chunked_workspace_and_hot_block_change_nothing(case: tuple[PagedBatch, 
     assert torch.equal(whole, chunked)
     query_major = sparse_prefill(*args, method="query_major")
     torch.testing.assert_close(whole.float(), query_major.float(), atol=OUT_TOLERANCE, rtol=OUT_TOLERANCE)
+
+
+@pytest.mark.parametrize(("warps", "stages", "tokens"), MERGE_CONFIGS[1:], ids=str)
+def test_merge_launch_configs_change_nothing(
+    case: tuple[PagedBatch, torch.Tensor, torch.Tensor], warps: int, stages: int, tokens: int
+) -> None:
+    """Every merge launch the benchmark sweeps folds the same partials in the same order: rows equal
+    to the default launch's bit for bit (the default is checked against the reference above)."""
+    batch, q, index_q = case
+    selection = prefill_index_topk(index_q, batch.index_key_cache, batch.metadata, TOPK, LOCAL)
+    args = (q, batch.key_cache, batch.value_cache, selection, batch.metadata, SCALE)
+    tuning = PrefillTuning(merge_num_warps=warps, merge_num_stages=stages, merge_tokens=tokens)
+    assert torch.equal(sparse_prefill(*args), sparse_prefill(*args, tuning=tuning))

@@ -83,13 +83,13 @@ def _assert_close(out: torch.Tensor, expected: torch.Tensor) -> None:
 
 
 @pytest.mark.parametrize(
-    ("method", "dtype", "workspace_tokens", "prefetch"),
+    ("method", "dtype", "workspace_tokens", "prefetch", "merge_tokens"),
     [
-        ("block_major", torch.float32, None, True),
-        ("block_major", torch.float16, None, True),
-        ("block_major", torch.float32, 20, True),
-        ("block_major", torch.float16, None, False),
-        ("query_major", torch.float16, None, None),
+        ("block_major", torch.float32, None, True, 1),
+        ("block_major", torch.float16, None, True, None),
+        ("block_major", torch.float32, 20, True, 3),
+        ("block_major", torch.float16, None, False, 4),
+        ("query_major", torch.float16, None, None, None),
     ],
     ids=["block-major-fp32", "block-major-fp16", "block-major-chunked", "block-major-pipelined", "query-major-fp16"],
 )
@@ -99,12 +99,15 @@ def test_matches_reference(
     dtype: torch.dtype,
     workspace_tokens: int | None,
     prefetch: bool | None,
+    merge_tokens: int | None,
 ) -> None:
     batch, q, selection = cases[dtype]
     kwargs = {}
-    if workspace_tokens:  # room for the partials of 20 tokens: the 66 tokens run in 4 chunks
+    # Room for the partials of 20 tokens: the 66 tokens run in 4 chunks, whose 20 tokens are no
+    # multiple of the merge's 3 tokens per program (the last group of each chunk is partial).
+    if workspace_tokens:
         kwargs["workspace_bytes"] = workspace_tokens * KV_HEADS * GROUP * TOPK * (HEAD_DIM * q.dtype.itemsize + 4)
-    tuning = dataclasses.replace(TUNING, prefetch=prefetch)
+    tuning = dataclasses.replace(TUNING, prefetch=prefetch, merge_tokens=merge_tokens)
     out = sparse_prefill(
         q, batch.key_cache, batch.value_cache, selection, batch.metadata, SCALE, method, tuning=tuning, **kwargs
     )
