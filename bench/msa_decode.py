@@ -368,6 +368,14 @@ def sweep(case: Case, use_flashinfer: bool, deadline: float) -> tuple[list[dict[
     for config in SCAN_CONFIGS[:2] + SCAN_CONFIGS[4:5]:
         record("index_fp8", scan_name(config), lambda c=config: time_index(case, default_plan, c, fp8=True),
                case.index_bytes // 2)  # fmt: skip
+    # Half the shared memory per stage lets an fp8 scan run 4 programs per SM in one wave (bf16 fits 3), and
+    # a shallower bf16 pipeline may too: both only at that occupancy (not the tuned layer's choices).
+    crowded = plans[4]
+    for config in (ScanConfig(num_stages=2), ScanConfig(), ScanConfig(num_stages=4)):
+        record("index_fp8", f"programs_per_sm=4 splits={crowded.scan_splits} {scan_name(config)}",
+               lambda c=config: time_index(case, crowded, c, fp8=True), case.index_bytes // 2)  # fmt: skip
+    record("index_occupancy", f"programs_per_sm=4 splits={crowded.scan_splits} {scan_name(SCAN_CONFIGS[1])}",
+           lambda: time_index(case, crowded, SCAN_CONFIGS[1]), case.index_bytes)  # fmt: skip
     decode_index_topk(case.index_q, case.caches[-1].index_key, metadata, default_plan)
     for config in ATTENTION_CONFIGS[1:]:
         record("attention", attention_name(config), lambda c=config: time_attention(case, default_plan, c, None))

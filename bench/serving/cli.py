@@ -25,9 +25,10 @@ request with a very long prompt per ``--long-configs`` config: prefill time, dec
 the first half of its tokens, then eagerly (the offload's copies are timed only in eager steps), offload
 counters.  ``extra`` holds the ratios a/c, a/b, d/a per concurrency, the targets, and greedy agreement.
 
-Budget: ``--budget-s`` wall seconds from the start.  Each config (a long run counts half) gets an equal share
-of what is left; a point whose predicted time does not fit its config's share is recorded as
-``{"skipped": "budget"}``, one that overruns is cancelled and recorded the same way.  ``serving.json`` is
+Budget: ``--budget-s`` wall seconds from the start.  Each config (a long run counts half, ``--weights`` changes a
+config's share: the naive ``c`` needs several) gets its share of what is left; a point whose predicted time does
+not fit its config's share is recorded as ``{"skipped": "budget"}``, one that overruns is cancelled and recorded
+the same way.  ``serving.json`` is
 rewritten after every point; a config that fails records ``"error"`` in its rows and the others still run.
 ``serving.svg`` plots the warm points (matplotlib is not in the environment).
 
@@ -74,6 +75,20 @@ def _config_list(text: str) -> list[str]:
     return names
 
 
+def _weights(text: str) -> dict[str, float]:
+    weights = {}
+    for item in (v.strip() for v in text.split(",") if v.strip()):
+        name, _, value = item.partition("=")
+        try:
+            weight = float(value)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected NAME=WEIGHT items, got {item!r}") from None
+        if name not in CONFIGS or weight <= 0:
+            raise argparse.ArgumentTypeError(f"expected one of {', '.join(CONFIGS)} and a weight > 0, got {item!r}")
+        weights[name] = weight
+    return weights
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m bench.serving", description=__doc__.splitlines()[0])
     p.add_argument("--out", type=Path, default=None, help="folder for serving.json / serving.svg (bench/results)")
@@ -109,6 +124,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--offload-gb", type=float, default=0.0, help="pinned host GiB of offload (0: what the run needs)")
     p.add_argument("--max-num-batched-tokens", type=int, default=8192)
     p.add_argument("--budget-s", type=float, default=600.0, help="wall seconds for everything, writing included")
+    p.add_argument("--weights", type=_weights, default={},
+                   help="budget shares of configs, e.g. c=3 (default 1 each; a long run counts 0.5)")  # fmt: skip
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
     if args.msa_attention is None:

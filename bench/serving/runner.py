@@ -37,9 +37,12 @@ def predict_point_s(requests: int, concurrency: int, last_concurrency: int, last
 
 
 async def run_units(bench: Bench) -> None:
-    """Every config, then every long run: each gets an equal share of the time left, a long run half a share."""
+    """Every config, then every long run: each gets its share of the time left (``--weights``, default 1), a long run
+    half a share."""
     args = bench.args
-    units: list[tuple[str, float, Callable]] = [(name, 1.0, run_config) for name in args.configs]
+    units: list[tuple[str, float, Callable]] = [
+        (name, args.weights.get(name, 1.0), run_config) for name in args.configs
+    ]
     if args.long_context:
         units += [(name, LONG_WEIGHT, run_long) for name in args.long_configs]
     bench.client = ClientProcess()  # starts while the first engine is built

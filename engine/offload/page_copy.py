@@ -10,6 +10,7 @@ where DMA is slow to start, and the pair list is only known on the device.
 """
 
 import math
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -18,9 +19,21 @@ import triton.language as tl
 from m3stack.engine.host_copy import upload
 from m3stack.engine.msa.launch import multiprocessors, triton_interpreted
 
-# Elements one work item moves (a power of two; 8 KiB of bf16): many items keep PCIe reads in flight.
-_CHUNK = 4096
-_PROGRAMS_PER_SM = 4
+
+@dataclass(frozen=True)
+class CopyConfig:
+    """Launch shape of the page copy (``bench/offload_copy.py`` sweeps it on the H200)."""
+
+    # Elements one work item moves (a power of two; 4096 = 8 KiB of bf16): many items keep PCIe reads in flight.
+    chunk_elements: int = 4096
+    programs_per_sm: int = 4
+    num_warps: int = 4
+
+    def __post_init__(self) -> None:
+        if self.chunk_elements < 1 or self.chunk_elements & (self.chunk_elements - 1):
+            raise ValueError(f"chunk_elements must be a power of two, got {self.chunk_elements}")
+        if self.programs_per_sm < 1 or self.num_warps < 1:
+            raise ValueError("programs_per_sm and num_warps must be >= 1")
 
 
 @triton.jit
@@ -66,6 +79,7 @@ def copy_pages(
     count: torch.Tensor | None = None,
     *,
     torch_only: bool = False,
+    config: CopyConfig | None = None,
 ) -> None:
     """Copy pages ``src[:, src_index[i]] -> dst[:, dst_index[i]]`` for ``i < count`` (a 1-element int tensor on
     the device; all pairs when None).  Index tensors live where the kernel runs (the device of the CUDA side).
@@ -80,12 +94,13 @@ def copy_pages(
     if src_index.numel() == 0:
         return
     if (device.type == "cuda" or triton_interpreted()) and not torch_only:
+        config = config or CopyConfig()
         page = _page_elements(src)
-        chunk = math.gcd(page, _CHUNK)
-        programs = _PROGRAMS_PER_SM * multiprocessors(device)
+        chunk = math.gcd(page, config.chunk_elements)
+        programs = config.programs_per_sm * multiprocessors(device)
         _copy_pages_kernel[(programs,)](
             src, dst, src_index, dst_index, count, src.stride(0), dst.stride(0),
-            PLANES=src.shape[0], PAGE=page, CHUNK=chunk, num_warps=4,
+            PLANES=src.shape[0], PAGE=page, CHUNK=chunk, num_warps=config.num_warps,
         )  # fmt: skip
         return
     n = int(count.reshape(-1)[0])

@@ -8,7 +8,9 @@ be equal, and the long request must really have moved KV blocks to the host and 
 import json
 import xml.etree.ElementTree as ET
 
-from bench.serving.cli import main, run
+import pytest
+
+from bench.serving.cli import main, parse_args, run
 from bench.serving.client import RequestResult
 from bench.serving.report import decode_rate, ratios, summarize, target_report
 from bench.serving.runner import predict_point_s
@@ -103,3 +105,12 @@ def test_summaries_of_known_results():
     assert targets["a_over_c_ge_1.8_every_concurrency"] is False and targets["a_over_b_ge_2_at_60k"] is True
     assert target_report(rows, workload, [1, 2, 4])["a_over_c_ge_1.8_every_concurrency"] is None
     assert targets["offload_miss_copy_ge_40_gbps"] is None
+
+
+def test_config_weights_are_parsed_and_bad_ones_refused(capsys):
+    assert parse_args(["--weights", "c=3,a=0.5"]).weights == {"c": 3.0, "a": 0.5}
+    assert parse_args([]).weights == {}
+    for bad in ("x=2", "c=0", "c=many", "c"):
+        with pytest.raises(SystemExit):
+            parse_args(["--weights", bad])
+        assert "--weights" in capsys.readouterr().err
