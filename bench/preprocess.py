@@ -114,7 +114,7 @@ def ours_video(data: bytes, preprocessor) -> tuple[np.ndarray, tuple[int, ...]]:
     probe = video_codec.probe_video(data, max_frame_pixels=10**8, max_frames=10**6)
     plan = preprocessor.plan_video(probe)
     out = np.empty((plan.num_patches, plan.patch_dim), dtype=np.uint8)
-    preprocessor.run_video(video_codec.decode_frames(data, probe, plan.frame_indices, threads=1), plan, out)
+    preprocessor.run_video(video_codec.iter_frames(data, probe, plan.frame_indices, threads=1), plan, out)
     return out, plan.frame_indices
 
 

@@ -3,14 +3,14 @@ patches out.  A model supplies a :class:`PatchGridConstants` and a frame sampler
 
 import hashlib
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass
 
 import numpy as np
 
 from .errors import MediaError
 from .patchify import normalization_table, normalize_patches, patchify_into
-from .resize import ResizeBackend, resize_frames, smart_resize
+from .resize import ResizeBackend, resize_frames, resize_into, smart_resize
 from .spec import ImagePlan, PixelPreprocessor, Plan, VideoPlan, VideoProbe
 
 # (probe, constants) -> ascending indices into probe.frame_pts
@@ -80,8 +80,25 @@ class PatchGridPreprocessor(PixelPreprocessor):
         resized = resize_frames(rgb[None], plan.height, plan.width, self.resize_backend)
         self._patchify(resized, out)
 
-    def run_video(self, frames: np.ndarray, plan: VideoPlan, out: np.ndarray) -> None:
-        self._patchify(resize_frames(frames, plan.height, plan.width, self.resize_backend), out)
+    def run_video(self, frames: Iterable[np.ndarray], plan: VideoPlan, out: np.ndarray) -> None:
+        """Frames are resized as they arrive and patchified one temporal group at a time, so a decoder can
+        stream them in: only ``temporal_patch_size`` resized frames are held, never the whole clip."""
+        c = self.constants
+        count = len(plan.frame_indices)
+        group = np.empty((c.temporal_patch_size, plan.height, plan.width, 3), dtype=np.uint8)
+        rows = (plan.height // c.patch_size) * (plan.width // c.patch_size)
+        received = 0
+        for frame in frames:
+            if received == count:
+                raise ValueError(f"more frames than the plan's {count}")
+            slot = received % c.temporal_patch_size
+            resize_into(frame, group[slot], self.resize_backend)
+            received += 1
+            if slot == c.temporal_patch_size - 1 or received == count:
+                start = (received - 1) // c.temporal_patch_size * rows
+                self._patchify(group[: slot + 1], out[start : start + rows])
+        if received != count:
+            raise ValueError(f"{received} frames for a plan of {count}")
 
     def tokens_for(self, plan: Plan) -> int:
         return plan.num_patches // self.constants.merge_size**2

@@ -17,28 +17,39 @@ import numpy as np
 
 
 def patchify_into(frames: np.ndarray, out: np.ndarray, patch: int, merge: int, temporal: int) -> None:
-    """Write ``frames`` ``[T, H, W, C]`` uint8 into ``out`` ``[grid_t * gh * gw, C * temporal * patch * patch]``."""
+    """Write ``frames`` ``[T, H, W, C]`` uint8 into ``out`` ``[grid_t * gh * gw, C * temporal * patch * patch]``.
+
+    Two passes, each with long inner loops (one 9-axis transpose has 14-byte ones and costs ~20% more):
+    first every patch row (``patch`` pixels x ``C`` channels, contiguous in a frame) moves as one opaque
+    element into patch order, then each patch's pixels are split into channel planes.
+    """
     count, height, width, channels = frames.shape
     grid_t, grid_h, grid_w = -(-count // temporal), height // patch, width // patch
     if grid_h % merge or grid_w % merge or height % patch or width % patch:
         raise ValueError(f"{height}x{width} frames do not split into {merge}x{merge} blocks of {patch}px patches")
     expected = (grid_t * grid_h * grid_w, channels * temporal * patch * patch)
-    if out.shape != expected or out.dtype != frames.dtype:
-        raise ValueError(f"output is {out.shape} {out.dtype}, expected {expected} {frames.dtype}")
-    target = out.reshape(grid_t, grid_h // merge, grid_w // merge, merge, merge, channels, temporal, patch, patch)
-    blocks = (grid_h // merge, merge, patch, grid_w // merge, merge, patch, channels)
-    # (group, temporal, hb, mh, py, wb, mw, px, c) -> (group, hb, wb, mh, mw, c, temporal, py, px)
-    order = (0, 2, 5, 3, 6, 8, 1, 4, 7)
-    full = count // temporal
+    if out.shape != expected or out.dtype != frames.dtype or frames.dtype != np.uint8:
+        raise ValueError(f"output is {out.shape} {out.dtype}, expected {expected} uint8")
+    row = np.dtype((np.void, patch * channels))
+    # (frame, hb, mh, py, wb, mw) of patch rows
+    rows = np.ascontiguousarray(frames).reshape(count, height, width * channels).view(row)
+    rows = rows.reshape(count, grid_h // merge, merge, patch, grid_w // merge, merge)
+    # (group, hb, wb, mh, mw, temporal, py): rows in the output's patch order
+    ordered = np.empty((grid_t, grid_h // merge, grid_w // merge, merge, merge, temporal, patch), dtype=row)
+    full, rest = divmod(count, temporal)
     if full:
-        target[:full] = frames[: full * temporal].reshape(full, temporal, *blocks).transpose(order)
-    if full < grid_t:
-        # The last group lacks frames: repeat the last one (an image is one frame in every slot).
-        rest = frames[full * temporal :]  # 1 .. temporal - 1 frames
-        tail = target[full:]
-        tail[:, :, :, :, :, :, : len(rest)] = rest.reshape(1, len(rest), *blocks).transpose(order)
-        for step in range(len(rest), temporal):  # copying within the output beats gathering again
-            tail[:, :, :, :, :, :, step] = tail[:, :, :, :, :, :, len(rest) - 1]
+        grouped = rows[: full * temporal].reshape(full, temporal, *rows.shape[1:])
+        ordered[:full] = grouped.transpose(0, 2, 5, 3, 6, 1, 4)
+    if rest:  # the last group lacks frames (an image is one frame in every slot)
+        ordered[full, ..., :rest, :] = rows[full * temporal :].transpose(1, 4, 2, 5, 0, 3)
+    pixels = ordered.view(np.uint8).reshape(grid_t * grid_h * grid_w, temporal, patch * patch, channels)
+    target = out.reshape(pixels.shape[0], channels, temporal, patch * patch)
+    complete = full * grid_h * grid_w
+    target[:complete] = pixels[:complete].transpose(0, 3, 1, 2)
+    if rest:
+        target[complete:, :, :rest] = pixels[complete:, :rest].transpose(0, 3, 1, 2)
+        for step in range(rest, temporal):  # repeat the last frame: copying within the output beats splitting again
+            target[complete:, :, step] = target[complete:, :, rest - 1]
 
 
 def normalization_table(mean: Sequence[float], std: Sequence[float], rescale_factor: float) -> np.ndarray:

@@ -275,7 +275,7 @@ def process_job(
         preprocessor.run_image(rgb, plan, patches)
     else:
         assert probe is not None
-        frames = video_codec.decode_frames(
+        frames = video_codec.iter_frames(
             data, probe, plan.frame_indices, limits.decode_threads, limits.video_containers
         )
         preprocessor.run_video(frames, plan, patches)

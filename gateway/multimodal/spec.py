@@ -14,7 +14,7 @@ with its constants plus one :func:`register_profile` call.  Lookup is by ``confi
 """
 
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from fractions import Fraction
 from pathlib import Path
@@ -116,8 +116,9 @@ class PixelPreprocessor(ABC):
         """Write ``rgb`` (upright ``[H, W, 3]`` uint8) as patches into ``out`` ``[num_patches, patch_dim]`` uint8."""
 
     @abstractmethod
-    def run_video(self, frames: np.ndarray, plan: VideoPlan, out: np.ndarray) -> None:
-        """Write the sampled frames (``[T, H, W, 3]`` uint8, upright) as patches into ``out``."""
+    def run_video(self, frames: Iterable[np.ndarray], plan: VideoPlan, out: np.ndarray) -> None:
+        """Write the sampled frames (each ``[H, W, 3]`` uint8, upright, in order: a ``[T, H, W, 3]`` array or a
+        decoder's stream) as patches into ``out``."""
 
     @abstractmethod
     def tokens_for(self, plan: Plan) -> int:

@@ -8,7 +8,8 @@ so sampling by index stays exact under a variable frame rate.
 ``decode_frames`` then decodes only what the sampled frames need: it seeks to the keyframe before a
 target when that skips frames, tells the decoder to drop non-reference frames that are not targets
 (they cannot influence any other frame), and stops after the last target.  The sampled frames are
-converted with the same ``to_ndarray(format="rgb24")`` call the reference uses, then rotated upright.
+converted with the same ``to_ndarray(format="rgb24")`` call the reference uses, then rotated upright;
+``iter_frames`` hands them over one at a time (views, no copies), ``decode_frames`` stacks them.
 """
 
 import bisect
@@ -26,6 +27,7 @@ from .limits import DEFAULT_CODECS, DEFAULT_CONTAINERS
 from .spec import VideoProbe
 
 logger = logging.getLogger(__name__)
+MAX_STREAMS = 64  # stream_options entries; streams beyond these probe as usual
 
 
 @dataclass(frozen=True)
@@ -111,18 +113,36 @@ def decode_frames(
     """The frames at ``indices`` (ascending) as upright ``[T, H, W, 3]`` uint8 RGB."""
     height, width = probe.display_size
     out = np.empty((len(indices), height, width, 3), dtype=np.uint8)
+    for slot, frame in zip(out, iter_frames(data, probe, indices, threads, containers), strict=True):
+        slot[...] = frame
+    return out
+
+
+def iter_frames(
+    data: bytes,
+    probe: VideoProbe,
+    indices: Sequence[int],
+    threads: int = 1,
+    containers: Sequence[str] = DEFAULT_CONTAINERS,
+) -> Iterator[np.ndarray]:
+    """The frames at ``indices`` (ascending), in order, each an upright ``[H, W, 3]`` uint8 RGB view of its
+    own converted frame (no copy): a consumer that resizes as frames arrive never holds the full-size clip."""
     position = {probe.frame_pts[index]: slot for slot, index in enumerate(indices)}
-    with _open(data, containers) as container:
+    if len(position) != len(indices):
+        raise MediaError("sampled video frames share a timestamp; the file is corrupt")
+    with _open(data, containers, skip_probe_decode=True) as container:
         stream = _video_stream(container)
         stream.codec_context.thread_count = threads
         stream.codec_context.thread_type = "FRAME" if threads > 1 else "SLICE"
         pending = set(position)
         for frame in _sparse_frames(container, stream, plan_decode(probe, indices), pending):
-            _store(frame, out[position[frame.pts]], probe.rotation)
+            # Targets come out in presentation order, which is the order of ``indices``.
+            if position[frame.pts] != len(position) - len(pending):
+                raise MediaError("the video's frames are not in timestamp order; the file is corrupt")
             pending.discard(frame.pts)
+            yield _upright(frame, probe.rotation)
         if pending:
             raise MediaError(f"{len(pending)} sampled video frame(s) could not be decoded; the file is corrupt")
-    return out
 
 
 def _sparse_frames(
@@ -165,17 +185,23 @@ def _drain(context: av.VideoCodecContext) -> list[av.VideoFrame]:
         raise MediaError(f"the video stream is corrupt ({exc})") from None
 
 
-def _store(frame: av.VideoFrame, slot: np.ndarray, rotation: int) -> None:
+def _upright(frame: av.VideoFrame, rotation: int) -> np.ndarray:
     rgb = frame.to_ndarray(format="rgb24")
-    slot[...] = np.rot90(rgb, rotation // 90) if rotation else rgb
+    return np.rot90(rgb, rotation // 90) if rotation else rgb
 
 
-def _open(data: bytes, containers: Sequence[str]) -> av.container.InputContainer:
+def _open(data: bytes, containers: Sequence[str], skip_probe_decode: bool = False) -> av.container.InputContainer:
     # Only the listed demuxers may even probe the data: playlist and concat demuxers open other URLs
     # and files, and every extra demuxer is attack surface.
     options = {"format_whitelist": ",".join(containers)}
+    # Opening runs avformat_find_stream_info, which decodes the first frame(s) to learn the pixel format
+    # (a 720p H.264 keyframe costs ~20 ms).  Decoding after a probe needs none of that (the decoder finds
+    # the format in the bitstream, timing comes from the probe), so its open tells those decoders to
+    # discard every frame.  The probe itself opens normally: without decoding, some demuxers (MPEG-TS)
+    # read further to estimate the frame rate, which could then differ from the reference's.
+    stream_options = [{"skip_frame": "all"}] * MAX_STREAMS if skip_probe_decode else None
     try:
-        return av.open(io.BytesIO(data), mode="r", options=options)
+        return av.open(io.BytesIO(data), mode="r", options=options, stream_options=stream_options)
     except av.FFmpegError:
         raise MediaError(
             f"the data is not a video in a supported container ({', '.join(containers)})", code="unsupported_media"

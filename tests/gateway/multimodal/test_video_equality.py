@@ -67,6 +67,10 @@ def test_video_matches_reference(case, backend):
     np.testing.assert_array_equal(frames, decoded.frames[list(plan.frame_indices)])
     ours = np.full((plan.num_patches, plan.patch_dim), 77, dtype=np.uint8)
     preprocessor.run_video(frames, plan, ours)
+    # What a pool worker runs: frames streamed from the decoder, resized and patchified as they arrive.
+    streamed = np.full_like(ours, 78)
+    preprocessor.run_video(video_codec.iter_frames(data, probe, plan.frame_indices), plan, streamed)
+    np.testing.assert_array_equal(streamed, ours)
     difference = np.abs(ours.astype(np.int16) - raw["pixel_values_videos"].astype(np.int16))
     if backend is ResizeBackend.TORCH:
         assert difference.max() == 0
@@ -96,6 +100,29 @@ def test_sparse_decode_seeks_and_walks_fewer_frames():
     assert video_codec.frames_to_decode(probe, segments) < 30
     full = _reference_frames("h264-60fps-short-gop").frames
     np.testing.assert_array_equal(video_codec.decode_frames(data, probe, indices), full[indices])
+
+
+def test_streamed_frames_must_match_the_plan():
+    data = _encoded("h264-24fps-odd-frames")
+    preprocessor = m3_preprocessor(ResizeBackend.TORCH, fps=4.0)
+    probe = video_codec.probe_video(data, max_frame_pixels=10**7, max_frames=10**5)
+    plan = preprocessor.plan_video(probe)
+    frames = video_codec.decode_frames(data, probe, plan.frame_indices)
+    out = np.empty((plan.num_patches, plan.patch_dim), dtype=np.uint8)
+    with pytest.raises(ValueError, match="frames for a plan"):
+        preprocessor.run_video(iter(frames[:-1]), plan, out)
+    with pytest.raises(ValueError, match="more frames than"):
+        preprocessor.run_video(iter(np.concatenate([frames, frames[:1]])), plan, out)
+
+
+def test_decoding_open_skips_the_stream_info_decode():
+    """The decode path's open must not decode frames to find stream parameters (the probe already has
+    what decoding needs): an H.264 stream then opens without a known pixel format."""
+    data = _encoded("h264-30fps")
+    with video_codec._open(data, video_codec.DEFAULT_CONTAINERS, skip_probe_decode=True) as container:
+        assert container.streams.video[0].codec_context.format is None
+    with video_codec._open(data, video_codec.DEFAULT_CONTAINERS) as container:
+        assert container.streams.video[0].codec_context.format.name == "yuv420p"
 
 
 def test_containers_and_codecs_outside_the_allowlists_are_refused():
