@@ -140,7 +140,10 @@ def iter_frames(
             if position[frame.pts] != len(position) - len(pending):
                 raise MediaError("the video's frames are not in timestamp order; the file is corrupt")
             pending.discard(frame.pts)
-            yield _upright(frame, probe.rotation)
+            rgb = _upright(frame, probe.rotation)
+            if rgb.shape[:2] != probe.display_size:  # consumers plan (and resize) from the probe's size
+                raise MediaError(f"a decoded video frame is {rgb.shape[1]}x{rgb.shape[0]}, not the stream's size")
+            yield rgb
         if pending:
             raise MediaError(f"{len(pending)} sampled video frame(s) could not be decoded; the file is corrupt")
 

@@ -1,5 +1,6 @@
 """Videos encoded with PyAV: same sampled frames, grids, tokens and patches as MiniMaxM3VLVideoProcessor."""
 
+import dataclasses
 import functools
 import os
 
@@ -113,6 +114,17 @@ def test_streamed_frames_must_match_the_plan():
         preprocessor.run_video(iter(frames[:-1]), plan, out)
     with pytest.raises(ValueError, match="more frames than"):
         preprocessor.run_video(iter(np.concatenate([frames, frames[:1]])), plan, out)
+
+
+def test_frames_of_another_size_than_probed_are_refused():
+    """Frames are resized to the plan made from the probe: a frame of another size must not be resized silently."""
+    from m3stack.gateway.multimodal import MediaError
+
+    data = _encoded("h264-30fps")
+    probe = video_codec.probe_video(data, max_frame_pixels=10**7, max_frames=10**5)
+    wrong = dataclasses.replace(probe, width=probe.width + 2)
+    with pytest.raises(MediaError, match="decoded video frame is 160x96"):
+        list(video_codec.iter_frames(data, wrong, [0, 1]))
 
 
 def test_decoding_open_skips_the_stream_info_decode():
