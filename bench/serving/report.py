@@ -157,6 +157,7 @@ def tables(rows: list[dict[str, Any]], extra: dict[str, Any], concurrencies: lis
         "prefill_s",
         "decode_tok_s",
         "eager_decode_tok_s",
+        "late_graph_decode_tok_s",
         "offload_hit_rate",
         "offload_miss_gbps",
         "offload_staging_gbps",

@@ -173,8 +173,9 @@ async def measure_point(bench: Bench, served: ServedEngine, name: str, concurren
 
 
 async def run_long(bench: Bench, name: str, share_s: float) -> None:
-    """One request with a ``--long-context`` prompt: prefill time, then decode tok/s with CUDA graphs (first half
-    of its tokens) and eagerly (second half, copies timed), and the offload counters."""
+    """One request with a ``--long-context`` prompt: prefill time, then decode tok/s with CUDA graphs (first third
+    of its tokens), eagerly (second third, copies timed) and with graphs again (last third), and the offload
+    counters."""
     args = bench.args
     context, new_tokens = args.long_context, args.long_output_tokens
     end = min(time.monotonic() + share_s - TEARDOWN_S, bench.deadline)
@@ -200,15 +201,16 @@ async def run_long(bench: Bench, name: str, share_s: float) -> None:
         logger.info("config %s: long request (prefill of %d tokens)", name, context)
         started = time.perf_counter()
         async with asyncio.timeout(max(0.0, end - time.monotonic())):
-            result, switched = await _long_request(served, name, prompt, new_tokens)
+            result, to_eager, to_graphs = await _long_request(served, name, prompt, new_tokens)
         after = await served.stats()
         bench.tokens.setdefault(name, {})["long"] = result.tokens
         row.update({
             "prefill_s": result.ttft_s,
             "output_tokens": len(result.tokens),
             "seconds": time.perf_counter() - started,
-            "decode_tok_s": decode_rate(result.token_times, 1, switched - 1),
-            "eager_decode_tok_s": decode_rate(result.token_times, switched + 2, len(result.tokens) - 1),
+            "decode_tok_s": decode_rate(result.token_times, 1, to_eager - 1),
+            "eager_decode_tok_s": decode_rate(result.token_times, to_eager + 2, to_graphs - 1),
+            "late_graph_decode_tok_s": decode_rate(result.token_times, to_graphs + 2, len(result.tokens) - 1),
             "prefix_hit_rate": result.cached_tokens / result.prompt_tokens,
             **offload_delta(before.offload, after.offload),
         })  # fmt: skip
@@ -226,23 +228,35 @@ async def run_long(bench: Bench, name: str, share_s: float) -> None:
 
 
 async def _long_request(served: ServedEngine, name: str, prompt: list[int], new_tokens: int
-                        ) -> tuple[RequestResult, int]:  # fmt: skip
-    """The long request, switched to eager decode (offload copies timed) after half its tokens; returns the
-    result and the index of the first token an eager step may have produced."""
+                        ) -> tuple[RequestResult, int, int]:  # fmt: skip
+    """The long request, decoded in thirds: CUDA graphs, eagerly (offload copies timed), CUDA graphs again (so a
+    graph-mode rate is seen both right after the prefill and later).  Returns the result and the index of the
+    first token each switch may have changed."""
     request_id = f"{name}-long"
-    switch: list[asyncio.Future] = []
+    switches: list[asyncio.Future] = []
     received = [0]
+    graphs: list = []
 
-    def go_eager(core: EngineCore) -> int:
-        core.runner.decode_graphs = None  # from the next step on; the step in flight finishes as captured
+    def output_tokens(core: EngineCore) -> int:
         request = core.scheduler.requests.get(request_id)
         return request.num_output_tokens if request is not None else new_tokens
 
+    def go_eager(core: EngineCore) -> int:
+        graphs.append(core.runner.decode_graphs)
+        core.runner.decode_graphs = None  # from the next step on; the step in flight finishes as captured
+        return output_tokens(core)
+
+    def go_graphs(core: EngineCore) -> int:
+        core.runner.decode_graphs = graphs[0]
+        return output_tokens(core)
+
     def on_tokens(count: int) -> None:
         received[0] = count
-        if count >= new_tokens // 2 and not switch:
-            switch.append(asyncio.ensure_future(served.engine.run_on_engine_thread(go_eager)))
+        for third, switch in ((1, go_eager), (2, go_graphs)):
+            if count >= third * new_tokens // 3 and len(switches) == third - 1:
+                switches.append(asyncio.ensure_future(served.engine.run_on_engine_thread(switch)))
 
     async with progress(f"long {name}", lambda: f"{received[0]} of {new_tokens} tokens (0: still prefilling)"):
         result = await stream_request(served.stub, request_id, "long", prompt, new_tokens, on_tokens)
-    return result, int(await switch[0]) if switch else new_tokens
+    at = [int(await switch) for switch in switches] + [new_tokens] * (2 - len(switches))
+    return result, at[0], at[1]
