@@ -247,10 +247,25 @@ def _index(
 
 
 def _first_frame_rotation(container: av.container.InputContainer, stream: av.VideoStream) -> int:
+    frame = _first_frame(container, stream, drain=True) or _first_frame(container, stream, drain=False)
+    if frame is None:
+        raise MediaError("the video has no decodable frames")
+    return round(frame.rotation / 90) % 4 * 90
+
+
+def _first_frame(container: av.container.InputContainer, stream: av.VideoStream, drain: bool) -> av.VideoFrame | None:
+    """With ``drain``, the decoder is flushed right after the first packet with data: one that holds frames
+    back for reordering then hands the first over without decoding the packets it waits for (two more 720p
+    frames at x264's defaults).  None if that packet alone gives no frame; the seek resets the decoder."""
+    container.seek(0, stream=stream, backward=True, any_frame=False)
     for packet in container.demux(stream):
-        for frame in _decode(packet):
-            return round(frame.rotation / 90) % 4 * 90
-    raise MediaError("the video has no decodable frames")
+        frames = _decode(packet)
+        if not frames and drain and packet.size:
+            frames = _drain(stream.codec_context)
+            return frames[0] if frames else None
+        if frames:
+            return frames[0]
+    return None
 
 
 def _average_fps(stream: av.VideoStream, frame_count: int) -> float:

@@ -91,6 +91,22 @@ def test_rotation_is_read_from_the_display_matrix():
     assert (probe.rotation, probe.display_size) == (90, (160, 96))
 
 
+@pytest.mark.parametrize("case", ["h264-30fps", "h264-rotated-90", "hevc", "vp9-webm", "av1", "mpeg4"])
+def test_probe_reads_the_first_frame_by_draining_after_its_packet(case):
+    """The probe's first frame comes from one packet plus a drain, not from decoding the frames after it:
+    it must be the reference's first frame, with the rotation the packet-by-packet decode sees."""
+    data = _encoded(case)
+    with video_codec._open(data, video_codec.DEFAULT_CONTAINERS) as container:
+        stream = container.streams.video[0]
+        drained = video_codec._first_frame(container, stream, drain=True)
+        walked = video_codec._first_frame(container, stream, drain=False)
+        assert drained is not None and walked is not None
+        assert (drained.pts, drained.rotation) == (walked.pts, walked.rotation)
+        rotation = video_codec.probe_video(data, 10**7, 10**5).rotation
+        upright = video_codec._upright(drained, rotation)
+        np.testing.assert_array_equal(upright, _reference_frames(case).frames[0])
+
+
 def test_sparse_decode_seeks_and_walks_fewer_frames():
     """With short GOPs the plan seeks between targets instead of decoding every frame."""
     data = _encoded("h264-60fps-short-gop")
