@@ -106,7 +106,7 @@ def ours_image(data: bytes, preprocessor, normalized: bool = False) -> np.ndarra
     header = probe_image(data)
     plan = preprocessor.plan_image(header.height, header.width)
     out = np.empty((plan.num_patches, plan.patch_dim), dtype=np.uint8)
-    preprocessor.run_image(decode_image(data), plan, out)
+    preprocessor.run_image(decode_image(data, header=header), plan, out)
     return float32_to_bfloat16_bits(preprocessor.normalize(out)) if normalized else out
 
 

@@ -27,19 +27,29 @@ class ImageHeader:
     width: int  # upright
     height: int
     mode: str
+    orientation: int = 1  # EXIF orientation, 1..8
 
 
 def probe_image(data: bytes, formats: tuple[str, ...] = DEFAULT_IMAGE_FORMATS) -> ImageHeader:
     """Format and upright size from the header alone."""
     with _open(data, formats) as image:
         width, height = image.size
-        if _orientation(image) in TRANSPOSING_ORIENTATIONS:
+        orientation = _orientation(image)
+        if orientation in TRANSPOSING_ORIENTATIONS:
             width, height = height, width
-        return ImageHeader(image.format or "?", width, height, image.mode)
+        return ImageHeader(image.format or "?", width, height, image.mode, orientation)
 
 
-def decode_image(data: bytes, formats: tuple[str, ...] = DEFAULT_IMAGE_FORMATS) -> np.ndarray:
-    """Upright ``[H, W, 3]`` uint8 RGB; callers check the header's size against their limits first."""
+def decode_image(
+    data: bytes, formats: tuple[str, ...] = DEFAULT_IMAGE_FORMATS, header: ImageHeader | None = None
+) -> np.ndarray:
+    """Upright ``[H, W, 3]`` uint8 RGB; callers check the header's size against their limits first.
+
+    ``header``, when given, must be ``probe_image``'s for the same bytes: a JPEG then goes straight to
+    libjpeg-turbo, without parsing its markers and EXIF in Pillow a second time (~0.2 ms a 1280x960 photo).
+    """
+    if header is not None and header.format == "JPEG" and header.mode in ("RGB", "L"):
+        return _orient(_decode_jpeg(data), header.orientation)
     with _open(data, formats) as image:
         orientation = _orientation(image)
         if image.format == "JPEG" and image.mode in ("RGB", "L"):

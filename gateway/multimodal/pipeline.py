@@ -89,7 +89,7 @@ class _Pending:
     key: str
     input_segment: str | None = None
     plan: Plan | None = None
-    probe: VideoProbe | None = None
+    probe: VideoProbe | image_codec.ImageHeader | None = None  # what the decode needs from the probe
     item: ProcessedItem | None = None
 
 
@@ -233,10 +233,12 @@ def warm_worker() -> None:
     resolve_backend(ResizeBackend.AUTO)
 
 
-def probe_image_job(segment: str, preprocessor: PixelPreprocessor, limits: MediaLimits) -> tuple[ImagePlan, None]:
+def probe_image_job(
+    segment: str, preprocessor: PixelPreprocessor, limits: MediaLimits
+) -> tuple[ImagePlan, image_codec.ImageHeader]:
     header = image_codec.probe_image(read_segment(segment), limits.image_formats)
     limits.check_image_pixels(header.width, header.height)
-    return preprocessor.plan_image(header.height, header.width), None
+    return preprocessor.plan_image(header.height, header.width), header
 
 
 def probe_video_job(segment: str, preprocessor: PixelPreprocessor, limits: MediaLimits) -> tuple[VideoPlan, VideoProbe]:
@@ -257,7 +259,7 @@ def process_job(
     segment: str,
     preprocessor: PixelPreprocessor,
     plan: Plan,
-    probe: VideoProbe | None,
+    probe: VideoProbe | image_codec.ImageHeader | None,
     output: str,
     shape: tuple[int, int],
     dtype: WireDType,
@@ -269,12 +271,13 @@ def process_job(
     target = map_segment(output, dtype.numpy, shape)
     patches = target if dtype is WireDType.UINT8 else np.empty(shape, dtype=np.uint8)
     if isinstance(plan, ImagePlan):
-        rgb = image_codec.decode_image(data, limits.image_formats)
+        header = probe if isinstance(probe, image_codec.ImageHeader) else None
+        rgb = image_codec.decode_image(data, limits.image_formats, header)
         if rgb.shape[:2] != (plan.source_height, plan.source_width):
             raise MediaError("the image's decoded size differs from its header")
         preprocessor.run_image(rgb, plan, patches)
     else:
-        assert probe is not None
+        assert isinstance(probe, VideoProbe)
         frames = video_codec.iter_frames(
             data, probe, plan.frame_indices, limits.decode_threads, limits.video_containers
         )
