@@ -49,7 +49,7 @@ class ChoiceDecoder:
     ) -> None:
         self.index = index
         self._detokenizer = IncrementalDetokenizer(
-            lambda ids: tokenizer.decode(ids, skip_special_tokens=skip_special_tokens), prompt_ids
+            tokenizer.decoder(skip_special_tokens), prompt_ids, tokenizer.single_token_decoder(skip_special_tokens)
         )
         self._stop = StopStringMatcher(stop_strings)
         self._eos_token_ids = frozenset(eos_token_ids)
@@ -65,11 +65,16 @@ class ChoiceDecoder:
 
     def _on_chunk(self, chunk: engine_pb2.GenerateChunk) -> ChoiceDelta:
         self.cached_tokens = chunk.cached_tokens
+        token_ids = chunk.token_ids
+        if len(token_ids) == 1 and not self._stop.active and not chunk.logprobs:
+            # Nearly every chunk: one token, no stop strings to watch, no logprobs.
+            self.completion_tokens += 1
+            return ChoiceDelta(self.index, self._detokenizer.push(token_ids[0]), 1)
         pieces: list[str] = []
         logprobs: list[TokenLogprob] = []
-        with_logprobs = len(chunk.logprobs) == len(chunk.token_ids)
+        with_logprobs = len(chunk.logprobs) == len(token_ids)
         delta = ChoiceDelta(self.index, "", 0)
-        for position, token_id in enumerate(chunk.token_ids):
+        for position, token_id in enumerate(token_ids):
             self.completion_tokens += 1
             delta.num_tokens += 1
             if with_logprobs:

@@ -7,6 +7,10 @@ tokens add to it.  Lossy UTF-8 decoding turns an incomplete character at the ver
 one U+FFFD, and nothing before it can change any more: so everything but a final U+FFFD is shown at
 once, and that one waits for the next token.  The concatenated deltas plus ``finish()`` equal
 ``decode(all ids)``.
+
+Each token costs one decode of the window (the previous token and the new one) and, when the window
+moves on, the text of the new window: usually the new token alone, which ``decode_one`` (a cache of
+single-token texts) answers without decoding.
 """
 
 from collections.abc import Callable, Sequence
@@ -21,13 +25,15 @@ MAX_WINDOW_GROWTH = 8
 INCOMPLETE_TAIL_TOKENS = 3
 
 Decode = Callable[[Sequence[int]], str]
+DecodeOne = Callable[[int], str]  # must equal decode([token_id])
 
 
 class IncrementalDetokenizer:
     """Feed token ids with ``push``; each call returns the new text that is safe to show."""
 
-    def __init__(self, decode: Decode, prompt_ids: Sequence[int] = ()) -> None:
+    def __init__(self, decode: Decode, prompt_ids: Sequence[int] = (), decode_one: DecodeOne | None = None) -> None:
         self._decode = decode
+        self._decode_one = decode_one if decode_one is not None else lambda token_id: decode([token_id])
         context = list(prompt_ids[-PROMPT_CONTEXT_TOKENS:])
         context_text = decode(context) if context else ""
         if context_text.endswith(REPLACEMENT_CHARACTER):
@@ -53,7 +59,9 @@ class IncrementalDetokenizer:
 
     def _advance(self, next_start: int, window_text: str) -> None:
         """Start the window at ``next_start`` (a character boundary), keeping the count of shown text."""
-        new_window_text = self._decode(self._ids[self._next_start :])
+        ids = self._ids
+        start = self._next_start
+        new_window_text = self._decode_one(ids[start]) if start == len(ids) - 1 else self._decode(ids[start:])
         # The new window's text is a suffix of the old one's (at most a leading space shorter).
         self._shown = max(0, self._shown - (len(window_text) - len(new_window_text)))
         self._window_start, self._next_start = self._next_start, next_start

@@ -7,9 +7,10 @@ post-processor, decoder, added tokens), ``tokenizer_config.json`` (special token
 ``generation_config.json`` (end-of-sequence ids).  Tests compare every output with ``AutoTokenizer``.
 """
 
+import functools
 import json
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -47,7 +48,8 @@ class ModelTokenizer:
             eos_ids.append(eos_id)
         self.eos_token_ids = tuple(eos_ids)
         self.vocab_size = tokenizer.get_vocab_size(with_added_tokens=True)
-        self._token_text: dict[int, str] = {}
+        # Single-token texts by skip_special_tokens, filled as tokens are first seen (the vocabulary is fixed).
+        self._single_texts = {skip: SingleTokenTexts(self.decoder(skip)) for skip in (False, True)}
 
     @classmethod
     def from_folder(cls, folder: Path) -> "ModelTokenizer":
@@ -68,16 +70,32 @@ class ModelTokenizer:
     def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self._tokenizer.decode(token_ids, skip_special_tokens=skip_special_tokens)
 
+    def decoder(self, skip_special_tokens: bool) -> Callable[[Sequence[int]], str]:
+        """``decode`` with the flag bound, without a Python frame per call (it runs for every streamed token)."""
+        return functools.partial(self._tokenizer.decode, skip_special_tokens=skip_special_tokens)
+
+    def single_token_decoder(self, skip_special_tokens: bool) -> Callable[[int], str]:
+        """``decode([token_id], skip_special_tokens)``, cached: a dict lookup once a token has been seen."""
+        return self._single_texts[skip_special_tokens].__getitem__
+
     def token_text(self, token_id: int) -> str:
         """One token decoded on its own (what logprobs report); cached, the vocabulary is fixed."""
-        text = self._token_text.get(token_id)
-        if text is None:
-            text = self._tokenizer.decode([token_id], skip_special_tokens=False)
-            self._token_text[token_id] = text
-        return text
+        return self._single_texts[False][token_id]
 
     def token_to_id(self, token: str) -> int | None:
         return self._tokenizer.token_to_id(token)
+
+
+class SingleTokenTexts(dict[int, str]):
+    """Token id -> its text decoded alone; a missing id is decoded and kept."""
+
+    def __init__(self, decode: Callable[[Sequence[int]], str]) -> None:
+        super().__init__()
+        self._decode = decode
+
+    def __missing__(self, token_id: int) -> str:
+        text = self[token_id] = self._decode([token_id])
+        return text
 
 
 def read_tokenizer_files(folder: Path) -> TokenizerFiles:

@@ -89,3 +89,27 @@ def test_invalid_bytes_are_released_after_a_bounded_wait(tokenizer, hf_tokenizer
     deltas = stream(tokenizer, [lone_continuation] * 20)
     assert "".join(deltas) == hf_tokenizer.decode([lone_continuation] * 20)
     assert any(deltas[:-1]), "the invalid bytes must not all be held until the end"
+
+
+def test_cached_single_token_texts_give_the_same_deltas(tokenizer, hf_tokenizer):
+    """The gateway's wiring: the bound decoder plus the single-token cache, which must actually answer
+    (most tokens move the window on by one) and give what decoding each window gives."""
+    seed = secrets.randbits(32)
+    rng = random.Random(seed)
+    for skip in (True, False):
+        cached = tokenizer.single_token_decoder(skip)
+        answered = []
+
+        def decode_one(token_id: int, cached=cached, answered=answered) -> str:
+            answered.append(token_id)
+            return cached(token_id)
+
+        for _ in range(20):
+            text = "".join(rng.choice(["ab ", "ä", "你", "🙂", "[e~[", " x", "\n"]) for _ in range(rng.randint(1, 30)))
+            ids = [i if rng.random() > 0.2 else rng.randrange(tokenizer.vocab_size) for i in hf_tokenizer.encode(text)]
+            prompt = hf_tokenizer.encode("Say:", add_special_tokens=False)
+            detokenizer = IncrementalDetokenizer(tokenizer.decoder(skip), prompt, decode_one)
+            deltas = [detokenizer.push(token) for token in ids] + [detokenizer.finish()]
+            assert deltas == stream(tokenizer, ids, prompt, skip), (seed, skip, ids)
+            assert "".join(deltas) == hf_tokenizer.decode(ids, skip_special_tokens=skip), (seed, skip, ids)
+        assert len(answered) > 100, "the single-token path was not taken"

@@ -44,6 +44,30 @@ def test_decode_matches_transformers(tokenizer, hf_tokenizer, skip_special_token
         assert tokenizer.decode(ids, skip_special_tokens=skip_special_tokens) == expected, (seed, ids)
 
 
+@pytest.mark.parametrize("skip_special_tokens", [True, False])
+def test_bound_and_single_token_decoders_match_transformers(tiny_model_dir, hf_tokenizer, skip_special_tokens):
+    """Every id of the vocabulary, twice (the second answer comes from the cache), in a random order,
+    from a tokenizer that has decoded with the other flag first: the two caches must stay apart."""
+    tokenizer = ModelTokenizer.from_folder(tiny_model_dir)
+    other = tokenizer.single_token_decoder(not skip_special_tokens)
+    ids = list(range(tokenizer.vocab_size))
+    random.Random(secrets.randbits(32)).shuffle(ids)
+    for token_id in ids:
+        other(token_id)
+    decode_one = tokenizer.single_token_decoder(skip_special_tokens)
+    decode = tokenizer.decoder(skip_special_tokens)
+    special = [tokenizer.token_to_id(token) for token in tokenizer.special_tokens.values()]
+    assert any(hf_tokenizer.decode([i], skip_special_tokens=skip_special_tokens) == "" for i in special) == (
+        skip_special_tokens
+    )
+    for _ in range(2):
+        for token_id in ids:
+            expected = hf_tokenizer.decode([token_id], skip_special_tokens=skip_special_tokens)
+            assert decode_one(token_id) == expected, token_id
+            assert decode([token_id]) == expected, token_id
+    assert tokenizer.token_text(special[0]) == hf_tokenizer.decode([special[0]], skip_special_tokens=False)
+
+
 def test_special_tokens_and_eos_come_from_the_folder(tokenizer, hf_tokenizer):
     assert tokenizer.special_tokens["bos_token"] == hf_tokenizer.bos_token
     assert tokenizer.special_tokens["eos_token"] == hf_tokenizer.eos_token

@@ -1,0 +1,67 @@
+"""ChoiceDecoder: the same tokens give the same text, counts and logprobs however the engine groups
+them into chunks (one token per chunk takes the decoder's short path, several the general one)."""
+
+import random
+import secrets
+
+from m3stack.engine.proto import engine_pb2
+from m3stack.gateway.generation.choice import ChoiceDecoder
+
+
+def decode_stream(tokenizer, prompt, ids, sizes, stop_strings=(), logprobs=None):
+    decoder = ChoiceDecoder(3, tokenizer, prompt, stop_strings, True, tokenizer.eos_token_ids)
+    deltas, position = [], 0
+    for size in sizes:
+        chunk_ids = ids[position : position + size]
+        chunk = engine_pb2.GenerateChunk(token_ids=chunk_ids, cached_tokens=7)
+        if logprobs is not None:
+            chunk.logprobs.extend(logprobs[position : position + size])
+        position += size
+        deltas.append(decoder.on_response(engine_pb2.GenerateResponse(request_id="r", chunk=chunk)))
+        if decoder.finished:
+            return decoder, deltas
+    complete = engine_pb2.GenerateComplete(
+        finish_reason=engine_pb2.FINISH_REASON_LENGTH,
+        prompt_tokens=len(prompt),
+        completion_tokens=len(ids),
+        cached_tokens=7,
+    )
+    deltas.append(decoder.on_response(engine_pb2.GenerateResponse(request_id="r", complete=complete)))
+    return decoder, deltas
+
+
+def random_sizes(rng, total):
+    sizes = []
+    while sum(sizes) < total:
+        sizes.append(rng.randint(1, 4))
+    return sizes
+
+
+def test_one_token_chunks_and_grouped_chunks_agree_with_transformers(tokenizer, hf_tokenizer):
+    seed = secrets.randbits(32)
+    rng = random.Random(seed)
+    prompt = hf_tokenizer.encode("Write:", add_special_tokens=False)
+    for _ in range(20):
+        text = "".join(rng.choice(["ab ", "ä", "你", "🙂", " x", "\n"]) for _ in range(rng.randint(1, 25)))
+        ids = [i if rng.random() > 0.2 else rng.randrange(tokenizer.vocab_size) for i in hf_tokenizer.encode(text)]
+        expected = hf_tokenizer.decode(ids, skip_special_tokens=True)
+        one, one_deltas = decode_stream(tokenizer, prompt, ids, [1] * len(ids))
+        grouped, grouped_deltas = decode_stream(tokenizer, prompt, ids, random_sizes(rng, len(ids)))
+        for decoder, deltas in ((one, one_deltas), (grouped, grouped_deltas)):
+            assert "".join(d.text for d in deltas) == expected, (seed, ids)
+            assert decoder.completion_tokens == len(ids) and decoder.cached_tokens == 7
+            assert [d.num_tokens for d in deltas[:-1]] == [d.num_tokens for d in deltas[:-1] if d.num_tokens]
+            assert sum(d.num_tokens for d in deltas) == len(ids)
+            assert all(d.index == 3 and d.logprobs == [] for d in deltas)
+            assert deltas[-1].finish_reason == "length" and all(d.finish_reason is None for d in deltas[:-1])
+
+
+def test_stop_strings_and_logprobs_take_the_general_path(tokenizer, hf_tokenizer):
+    ids = hf_tokenizer.encode(" one two three four", add_special_tokens=False)
+    _, deltas = decode_stream(tokenizer, [], ids, [1] * len(ids), stop_strings=["three"])
+    assert "".join(d.text for d in deltas) == " one two "
+    assert deltas[-1].finish_reason == "stop" and deltas[-1].stop_reason == "three"
+    values = [-0.5 * (i + 1) for i in range(len(ids))]
+    _, deltas = decode_stream(tokenizer, [], ids, [1] * len(ids), logprobs=values)
+    assert [entry.logprob for d in deltas for entry in d.logprobs] == values
+    assert [entry.token_id for d in deltas for entry in d.logprobs] == ids
