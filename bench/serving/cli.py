@@ -92,6 +92,7 @@ def _weights(text: str) -> dict[str, float]:
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m bench.serving", description=__doc__.splitlines()[0])
     p.add_argument("--out", type=Path, default=None, help="folder for serving.json / serving.svg (bench/results)")
+    p.add_argument("--name", default="serving", help="results file stem: <name>.json and <name>.svg")
     p.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     p.add_argument(
         "--model",
@@ -185,7 +186,7 @@ def _note_offload(bench: Bench) -> None:
 
 
 def _write_plot(bench: Bench) -> str:
-    path = (bench.args.out or RESULTS_DIR) / "serving.svg"  # by hand: matplotlib is not in the environment
+    path = (bench.args.out or RESULTS_DIR) / f"{bench.args.name}.svg"  # by hand: matplotlib is not in the environment
     w = bench.workload
     title = (f"{bench.extra['model']}: {w.prefix_tokens} shared + {w.suffix_tokens} own prompt tokens, "
              f"{w.output_tokens} out")  # fmt: skip

@@ -107,4 +107,4 @@ class Bench:
 
     def save(self) -> Path:
         self.extra["elapsed_s"] = self.args.budget_s - (self.deadline + FINAL_S - time.monotonic())
-        return write_results("serving", self.rows, self.extra, out_dir=self.args.out)
+        return write_results(self.args.name, self.rows, self.extra, out_dir=self.args.out)

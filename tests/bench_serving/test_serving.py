@@ -71,9 +71,11 @@ def test_every_config_and_concurrency_measured_offload_gives_the_same_tokens(tmp
 
 def test_points_past_the_budget_are_skipped_and_the_results_still_written(tmp_path):
     bench = run([*SHAPES, "--configs", "b,c", "--long-context", "0", "--budget-s", "2.5",
-                 "--out", str(tmp_path)])  # fmt: skip
-    rows = json.loads((tmp_path / "serving.json").read_text())["rows"]
-    assert rows == bench.rows
+                 "--out", str(tmp_path), "--name", "short"])  # fmt: skip
+    payload = json.loads((tmp_path / "short.json").read_text())
+    rows = payload["rows"]
+    assert rows == bench.rows and payload["plot"] == "short.svg" and (tmp_path / "short.svg").exists()
+    assert not (tmp_path / "serving.json").exists()
     assert set(_warm(rows)) == {(c, n) for c in "bc" for n in (1, 2)}
     assert all(r["skipped"] == "budget" and "error" not in r for r in _warm(rows).values())
 
