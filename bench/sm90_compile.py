@@ -143,13 +143,13 @@ def prefill_builds() -> Iterator[KernelBuild]:
         for splits in (1, 4) if tuning == bench.INDEX_CONFIGS[0] else (1,):
             yield KernelBuild(
                 f"index tile={tuning.tile_tokens} splits={splits}", prefill_index._index_topk_kernel, index_pointers,
-                dict(D=bench.INDEX_DIM, DP=bench.INDEX_DIM, TILE=tuning.tile_tokens, NUM_SPLITS=splits,
+                dict(D=bench.INDEX_DIM, DP=bench.INDEX_DIM, TILE=tuning.tile_tokens, SPLIT_KEYS=splits > 1,
                      **index_shape, **precision),
                 **launch,
             )  # fmt: skip
     yield KernelBuild(
         "index_merge splits=4", prefill_index._index_topk_merge_kernel, index_pointers,
-        dict(TILE=bench.INDEX_CONFIGS[0].tile_tokens, NUM_SPLITS=4, **index_shape), num_warps=8,
+        dict(TILE=bench.INDEX_CONFIGS[0].tile_tokens, **index_shape), num_warps=8,
         num_stages=TRITON_DEFAULT_STAGES,
     )  # fmt: skip
     attention_pointers = dict(q_ptr="*bf16", k_ptr="*bf16", v_ptr="*bf16", positions_ptr="*i64", items_ptr="*i32",
@@ -165,11 +165,11 @@ def prefill_builds() -> Iterator[KernelBuild]:
         )  # fmt: skip
     merge_pointers = dict(part_o_ptr="*bf16", part_lse_ptr="*fp32", sel_ptr="*i32", positions_ptr="*i64",
                           out_ptr="*bf16")  # fmt: skip
-    for warps, stages in bench.MERGE_CONFIGS:
+    for warps, stages, tokens in bench.MERGE_CONFIGS:
         yield KernelBuild(
-            f"merge merge_stages={stages}", prefill_block_major._merge_kernel, merge_pointers,
-            dict(HKV=kv_heads, G=heads // kv_heads, HQP=heads, D=dim, DP=dim, B=block, K=topk, KP=topk,
-                 NUM_STAGES=stages),
+            f"merge merge_stages={stages} tokens={tokens}", prefill_block_major._merge_kernel, merge_pointers,
+            dict(HKV=kv_heads, G=heads // kv_heads, GP=heads // kv_heads, D=dim, DP=dim, B=block, K=topk,
+                 TOKENS=tokens, NUM_STAGES=stages),
             num_warps=warps, num_stages=TRITON_DEFAULT_STAGES,
         )  # fmt: skip
     yield KernelBuild(

@@ -18,6 +18,7 @@ from bench.serving.engine import CONFIGS, ServedEngine, build_core, free_device_
 from bench.serving.report import decode_rate, offload_delta, summarize
 from bench.serving.state import Bench
 from bench.serving.workload import random_ids, requests_per_point
+from m3stack.engine import kernel_compiles
 
 if TYPE_CHECKING:
     from m3stack.engine.runtime.engine_core import EngineCore
@@ -151,7 +152,7 @@ async def prime(bench: Bench, served: ServedEngine, name: str, request_s: float,
 async def measure_point(bench: Bench, served: ServedEngine, name: str, concurrency: int, count: int,
                         end: float) -> dict[str, Any]:  # fmt: skip
     """One closed-loop point, run by the clients' process."""
-    before = await served.stats()
+    before, compiles_before = await served.stats(), kernel_compiles.snapshot()
     if bench.client is None or not bench.client.alive:
         bench.client = ClientProcess()
     started = time.perf_counter()
@@ -163,9 +164,12 @@ async def measure_point(bench: Bench, served: ServedEngine, name: str, concurren
         seconds = time.perf_counter() - started
         logger.warning("config %s, concurrency %d: cancelled at the budget after %.0f s", name, concurrency, seconds)
         return {"skipped": "budget", "cancelled_after_s": seconds}
-    after = await served.stats()
+    after, compiles = await served.stats(), kernel_compiles.snapshot()
     bench.tokens[name].update({r.key: r.tokens for r in results})
+    # Kernels the point's steps compiled (the engine runs in this process): each one stalls the whole batch.
     return {**summarize(results, seconds), "preemptions": after.num_preemptions - before.num_preemptions,
+            "kernel_compiles": compiles.count - compiles_before.count,
+            "kernel_compile_s": compiles.seconds - compiles_before.seconds,
             **offload_delta(before.offload, after.offload)}  # fmt: skip
 
 

@@ -24,6 +24,7 @@ from dataclasses import dataclass, replace
 import torch
 import torch.distributed as dist
 
+from m3stack.engine import kernel_compiles
 from m3stack.engine.attention.dense_only import dense_kv_spec
 from m3stack.engine.distributed.config import MULTICAST_OFF_ENV
 from m3stack.engine.distributed.messages import Channel, LeaderModel, RecordingBackend, serve_steps
@@ -91,6 +92,7 @@ def start_rank(config: EngineConfig, rank: int, local_rank: int) -> RankState:
     device = rank_device(config.device, local_rank)
     if device.type == "cuda":
         torch.cuda.set_device(device)
+        kernel_compiles.watch()
     dtype = resolve_dtype(config.dtype, device)
     if config.cpu_threads:
         torch.set_num_threads(config.cpu_threads)

@@ -113,12 +113,14 @@ def _tile_rows(
 
 # Counts and widths that change from step to step stay unspecialized: Triton would otherwise compile a
 # variant per value class (1, multiples of 16, others) the first time a step meets it, mid-serving.
+# The number of key splits follows the step's query tiles, so it is a runtime value too: only whether the
+# keys are split at all (where the top-K goes) is compiled in.
 @triton.jit(do_not_specialize=["n_tiles", "n_tokens", "blocks_per_split", "stride_pt"])
 def _index_topk_kernel(
     q_ptr, key_ptr, page_table_ptr, positions_ptr, tile_ptr, out_ptr, cand_score_ptr, cand_id_ptr,
     n_tiles, n_tokens, blocks_per_split, stride_qt, stride_qh, stride_kp, stride_kb, stride_pt,
     H: tl.constexpr, HP: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, B: tl.constexpr, TILE: tl.constexpr,
-    K: tl.constexpr, KP: tl.constexpr, LOCAL: tl.constexpr, NUM_SPLITS: tl.constexpr,
+    K: tl.constexpr, KP: tl.constexpr, LOCAL: tl.constexpr, SPLIT_KEYS: tl.constexpr,
     INPUT_PRECISION: tl.constexpr,
 ):
     K_RANK: tl.constexpr = K - LOCAL
@@ -146,10 +148,10 @@ def _index_topk_kernel(
         block_max = tl.where(block < first_local, block_max, NEG_INF)
         st_score, st_id = _topk_insert(st_score, st_id, block_max, tl.zeros_like(first_local) + block)
         page = next_page
-    if NUM_SPLITS == 1:
+    if not SPLIT_KEYS:
         row_offset = (head * n_tokens + token) * K
         _store_selection(out_ptr, row_offset, row_mask, st_score, st_id, first_local, num_local, K, KP, K_RANK)
-    else:  # candidates [NUM_SPLITS, H, T, KP] for the merge kernel
+    else:  # candidates [num_splits, H, T, KP] for the merge kernel
         slot = tl.arange(0, KP)[None, :]
         cand = ((split * H + head) * n_tokens + token)[:, None] * KP + slot
         keep = row_mask[:, None] & (slot < K_RANK)
@@ -157,18 +159,18 @@ def _index_topk_kernel(
         tl.store(cand_id_ptr + cand, st_id, mask=keep)
 
 
-@triton.jit(do_not_specialize=["n_tiles", "n_tokens"])
+@triton.jit(do_not_specialize=["n_tiles", "n_tokens", "num_splits"])
 def _index_topk_merge_kernel(
-    positions_ptr, tile_ptr, out_ptr, cand_score_ptr, cand_id_ptr, n_tiles, n_tokens,
+    positions_ptr, tile_ptr, out_ptr, cand_score_ptr, cand_id_ptr, n_tiles, n_tokens, num_splits,
     H: tl.constexpr, HP: tl.constexpr, B: tl.constexpr, TILE: tl.constexpr, K: tl.constexpr, KP: tl.constexpr,
-    LOCAL: tl.constexpr, NUM_SPLITS: tl.constexpr,
+    LOCAL: tl.constexpr,
 ):
     """Merge the per-split top-K candidates of one tile's rows and write the final selection."""
     K_RANK: tl.constexpr = K - LOCAL
     _, token, head, row_mask, first_local, num_local = _tile_rows(
         tile_ptr, positions_ptr, n_tiles, H, HP, TILE, B, LOCAL)
     st_score, st_id = _topk_init(TILE * HP, KP, K_RANK)
-    for split in range(NUM_SPLITS):
+    for split in range(num_splits):
         base = ((split * H + head) * n_tokens + token) * KP
         for slot in range(K_RANK):
             cand_score = tl.load(cand_score_ptr + base + slot, mask=row_mask, other=NEG_INF)
@@ -263,13 +265,13 @@ def prefill_index_topk(
         tiles.count, num_tokens, blocks_per_split,
         index_q.stride(0), index_q.stride(1), index_key_cache.stride(0), index_key_cache.stride(1),
         metadata.page_table.stride(0),
-        D=head_dim, DP=max(16, triton.next_power_of_2(head_dim)), NUM_SPLITS=num_splits,
+        D=head_dim, DP=max(16, triton.next_power_of_2(head_dim)), SPLIT_KEYS=num_splits > 1,
         INPUT_PRECISION="ieee" if index_q.dtype == torch.float32 else "tf32",
         **shape_args, **launch,
     )  # fmt: skip
     if num_splits > 1:
         _index_topk_merge_kernel[(tiles.count,)](
-            metadata.positions, tiles.table, out, cand_score, cand_id, tiles.count, num_tokens,
-            NUM_SPLITS=num_splits, num_warps=8, **shape_args,
+            metadata.positions, tiles.table, out, cand_score, cand_id, tiles.count, num_tokens, num_splits,
+            num_warps=8, **shape_args,
         )  # fmt: skip
     return out

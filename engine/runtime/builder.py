@@ -13,6 +13,7 @@ from pathlib import Path
 
 import torch
 
+from m3stack.engine import kernel_compiles
 from m3stack.engine.attention.backend import AttentionBackend
 from m3stack.engine.attention.dense_only import DenseOnlyAttention, dense_kv_spec
 from m3stack.engine.attention.reference import ReferenceAttentionBackend
@@ -143,6 +144,8 @@ def assemble_engine_core(
             f"--max-model-len {max_model_len} exceeds the KV cache capacity of {capacity} tokens "
             f"({num_blocks - 1} blocks of {block_size}); lower it or give the KV cache more memory"
         )
+    if device.type == "cuda":
+        kernel_compiles.watch()  # a kernel compiled mid-serving stalls the batch: count and log them
     use_graphs = config.cuda_graphs and device.type == "cuda"
     core = parts.core(num_blocks, max_model_len, use_graphs, tiers)
     if use_graphs:
