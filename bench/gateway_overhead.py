@@ -3,13 +3,17 @@ and straight to the engine (gRPC with token ids), side by side, at concurrency 1
 
 The engine is a stub that speaks engine.proto and streams canned tokens in decode steps of a fixed
 length (every running request gets its token at each step, as with continuous batching), so that
-the only difference between the two paths is the gateway.  Three processes (stub engine, gateway, this
-load generator) share the machine.  Run:
+the only difference between the two paths is the gateway.  A third path, the relay floor, goes through
+a minimal relay built from the gateway's libraries (uvicorn with uvloop and httptools, one grpc.aio
+channel) that forwards each engine token as a fixed SSE event and does nothing else: what any Python
+relay costs here, to tell the libraries' share of the overhead from the gateway's own work.  Four
+processes (stub engine, gateway, relay floor, this load generator) share the machine.  Run:
 
     python -m bench.gateway_overhead [--out DIR]
 
 Writes ``bench/results/gateway_overhead.json``: per concurrency and path, TTFT and end-to-end latency
-p50/p99, and the overhead rows (gateway minus direct).  Target: p50 end-to-end overhead < 2 ms at
+p50/p99, CPU per request of each process, and the overhead rows (gateway minus direct, floor minus
+direct).  Target: p50 end-to-end overhead < 2 ms at
 concurrency 64.
 """
 
@@ -147,6 +151,61 @@ def write_tokenizer_folder(folder: Path) -> Path:
 
 
 # ------------------------------------------------------------------------------------------------
+# The relay floor
+
+FLOOR_EVENT = (
+    b'data: {"id":"cmpl-floor","object":"text_completion","created":0,"model":"stub","choices":[{"index":0,'
+    b'"text":" the","logprobs":null,"finish_reason":null}],"usage":null}\n\n'
+)
+
+
+def relay_floor_app(engine_address: str, prompt_ids: list[int]) -> Callable[..., Awaitable[None]]:
+    """A raw ASGI app: read the JSON body, stream ``max_tokens`` from the engine with the prompt's ids
+    (tokenized once, up front), send one fixed event per token, then the usage and [DONE]."""
+    stubs: list[engine_pb2_grpc.EngineStub] = []
+    counter = iter(range(1 << 62))
+
+    async def app(scope, receive, send) -> None:
+        if scope["type"] != "http":
+            return
+        if scope["method"] == "GET":  # readiness
+            await send({"type": "http.response.start", "status": 200, "headers": []})
+            await send({"type": "http.response.body", "body": b"ok"})
+            return
+        if not stubs:
+            stubs.append(engine_pb2_grpc.EngineStub(grpc.aio.insecure_channel(engine_address)))
+        body, more = b"", True
+        while more:
+            message = await receive()
+            body += message.get("body", b"")
+            more = message.get("more_body", False)
+        sampling = engine_pb2.SamplingParams(max_new_tokens=json.loads(body)["max_tokens"])
+        request = engine_pb2.GenerateRequest(
+            request_id=f"floor-{next(counter)}", input_ids=prompt_ids, sampling=sampling
+        )
+        await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"text/event-stream")]})
+        count = 0
+        async for response in stubs[0].Generate(request):
+            if response.HasField("chunk"):
+                count += len(response.chunk.token_ids)
+                await send({"type": "http.response.body", "body": FLOOR_EVENT, "more_body": True})
+        usage = b'data: {"id":"cmpl-floor","choices":[],"usage":{"completion_tokens":%d}}\n\ndata: [DONE]\n\n' % count
+        await send({"type": "http.response.body", "body": usage, "more_body": False})
+
+    return app
+
+
+def serve_floor(port: int, engine_port: int, model_dir: Path) -> None:
+    import uvicorn
+
+    from m3stack.gateway.tokenize.tokenizer import ModelTokenizer
+
+    prompt_ids = ModelTokenizer.from_folder(model_dir).encode(PROMPT, add_special_tokens=True)
+    app = relay_floor_app(f"{LOOPBACK}:{engine_port}", prompt_ids)
+    uvicorn.run(app, host=LOOPBACK, port=port, log_level="warning", lifespan="off")
+
+
+# ------------------------------------------------------------------------------------------------
 # Load generation
 
 
@@ -236,70 +295,78 @@ def process_cpu_s(pid: int) -> float:
 
 @dataclass
 class CpuMeter:
-    """CPU time the stub engine and the gateway spend per request, per path."""
+    """CPU time each process (stub engine, gateway, relay floor, and this load generator) spends per
+    request, per path.  The load generator's share shows whether the paths cost the client alike (HTTP
+    and SSE parsing for two, gRPC for the direct one) on the cores the gateway runs on."""
 
-    engine_pid: int
-    gateway_pid: int
+    pids: dict[str, int]
     seconds: dict[tuple[str, str], float]
 
+    def _now(self) -> dict[str, float]:
+        return {**{name: process_cpu_s(pid) for name, pid in self.pids.items()}, "loadgen": time.process_time()}
+
     async def run(self, path: str, work: Awaitable[list[Sample]]) -> list[Sample]:
-        before = {"engine": process_cpu_s(self.engine_pid), "gateway": process_cpu_s(self.gateway_pid)}
+        before = self._now()
         samples = await work
-        for process, pid in (("engine", self.engine_pid), ("gateway", self.gateway_pid)):
+        after = self._now()
+        for process in before:
             key = (path, process)
-            self.seconds[key] = self.seconds.get(key, 0.0) + process_cpu_s(pid) - before[process]
+            self.seconds[key] = self.seconds.get(key, 0.0) + after[process] - before[process]
         return samples
 
 
 async def measure(
-    args: argparse.Namespace, engine_port: int, gateway_port: int, prompt_ids: list[int], pids: tuple[int, int]
+    args: argparse.Namespace, ports: dict[str, int], prompt_ids: list[int], pids: dict[str, int]
 ) -> list[dict]:
     import aiohttp
 
     rows: list[dict] = []
-    url = f"http://{LOOPBACK}:{gateway_port}/v1/completions"
     connector = aiohttp.TCPConnector(limit=0)
     async with (
         aiohttp.ClientSession(connector=connector) as session,
-        grpc.aio.insecure_channel(f"{LOOPBACK}:{engine_port}") as channel,
+        grpc.aio.insecure_channel(f"{LOOPBACK}:{ports['engine']}") as channel,
     ):
         stub = engine_pb2_grpc.EngineStub(channel)
 
         def direct(index: int) -> Awaitable[Sample]:
             return direct_request(stub, prompt_ids, args.tokens, index)
 
-        def through_gateway(index: int) -> Awaitable[Sample]:
-            return gateway_request(session, url, args.tokens, index)
+        def over_http(process: str) -> Callable[[int], Awaitable[Sample]]:
+            url = f"http://{LOOPBACK}:{ports[process]}/v1/completions"
+            return lambda index: gateway_request(session, url, args.tokens, index)
 
+        paths = {"direct": direct, "gateway": over_http("gateway"), "floor": over_http("floor")}
         for concurrency in args.concurrency:
             total = max(args.min_requests, concurrency * args.waves)
-            await run_closed_loop(direct, concurrency, concurrency * 2)  # warm-up
-            await run_closed_loop(through_gateway, concurrency, concurrency * 2)
-            # Alternate the two paths in rounds so that noise from other work on the machine hits both.
-            collected: dict[str, list[Sample]] = {"direct": [], "gateway": []}
-            meter = CpuMeter(*pids, seconds={})
+            for send in paths.values():
+                await run_closed_loop(send, concurrency, concurrency * 2)  # warm-up
+            # Alternate the paths in rounds so that noise from other work on the machine hits them all.
+            collected: dict[str, list[Sample]] = {path: [] for path in paths}
+            meter = CpuMeter(pids, seconds={})
             for _ in range(args.rounds):
-                for path, send in (("direct", direct), ("gateway", through_gateway)):
+                for path, send in paths.items():
                     collected[path] += await meter.run(path, run_closed_loop(send, concurrency, total // args.rounds))
             for samples in collected.values():
                 short = [s for s in samples if s.tokens != args.tokens]
                 if short:
                     raise RuntimeError(f"{len(short)} requests did not receive exactly {args.tokens} tokens")
-            direct_row = summarize("direct", concurrency, collected["direct"])
-            gateway_row = summarize("gateway", concurrency, collected["gateway"])
-            for row in (direct_row, gateway_row):
-                path, count = row["path"], row["requests"]
-                row["engine_cpu_ms_per_request"] = 1e3 * meter.seconds[(path, "engine")] / count
-                row["gateway_cpu_ms_per_request"] = 1e3 * meter.seconds[(path, "gateway")] / count
-            overhead = {
-                "concurrency": concurrency,
-                "path": "overhead (gateway - direct)",
-                "requests": gateway_row["requests"],
-                **{key: gateway_row[key] - direct_row[key] for key in direct_row if key.endswith("_ms")},
-                "gateway_cpu_ms_per_request": gateway_row["gateway_cpu_ms_per_request"],
-            }
-            rows += [direct_row, gateway_row, overhead]
-            logger.info("concurrency %d: %s", concurrency, json.dumps(overhead))
+            summaries = {path: summarize(path, concurrency, samples) for path, samples in collected.items()}
+            for row in summaries.values():
+                for process in (*pids, "loadgen"):
+                    row[f"{process}_cpu_ms_per_request"] = 1e3 * meter.seconds[(row["path"], process)] / row["requests"]
+            rows += summaries.values()
+            direct_row = summaries["direct"]
+            for path in ("gateway", "floor"):
+                row = summaries[path]
+                overhead = {
+                    "concurrency": concurrency,
+                    "path": f"overhead ({path} - direct)",
+                    "requests": row["requests"],
+                    **{key: row[key] - direct_row[key] for key in direct_row if key.endswith("_ms")},
+                    f"{path}_cpu_ms_per_request": row[f"{path}_cpu_ms_per_request"],
+                }
+                rows.append(overhead)
+                logger.info("concurrency %d: %s", concurrency, json.dumps(overhead))
     return rows
 
 
@@ -323,15 +390,20 @@ def main() -> None:
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 64])
     parser.add_argument("--tokens", type=int, default=16, help="tokens per response")
     parser.add_argument("--token-interval-ms", type=float, default=20.0, help="stub engine decode step")
-    parser.add_argument("--waves", type=int, default=8, help="requests per run = concurrency * waves")
+    parser.add_argument("--waves", type=int, default=24, help="requests per path = concurrency * waves")
     parser.add_argument("--min-requests", type=int, default=120)
-    parser.add_argument("--rounds", type=int, default=4)
+    parser.add_argument("--rounds", type=int, default=12, help="the paths alternate this many times")
     parser.add_argument("--serve-stub", type=int, default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--serve-floor", type=int, default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--engine-port", type=int, default=None, help=argparse.SUPPRESS)
     parser.add_argument("--model-dir", type=Path, default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if args.serve_stub is not None:
         asyncio.run(serve_stub(args.serve_stub, args.model_dir, args.token_interval_ms / 1e3))
+        return
+    if args.serve_floor is not None:
+        serve_floor(args.serve_floor, args.engine_port, args.model_dir)
         return
 
     from m3stack.gateway.tokenize.tokenizer import ModelTokenizer
@@ -340,47 +412,32 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="m3stack-bench-") as tmp:
         model_dir = write_tokenizer_folder(Path(tmp) / "stub")
         prompt_ids = ModelTokenizer.from_folder(model_dir).encode(PROMPT, add_special_tokens=True)
-        engine_port, gateway_port = free_port(LOOPBACK), free_port(LOOPBACK)
-        python = sys.executable
-        children = [
-            subprocess.Popen(
-                [
-                    python,
-                    "-m",
-                    "bench.gateway_overhead",
-                    "--serve-stub",
-                    str(engine_port),
-                    "--model-dir",
-                    str(model_dir),
-                    "--token-interval-ms",
-                    str(args.token_interval_ms),
-                ]
+        ports = {process: free_port(LOOPBACK) for process in ("engine", "gateway", "floor")}
+        engine = f"{LOOPBACK}:{ports['engine']}"
+        bench = [sys.executable, "-m", "bench.gateway_overhead", "--model-dir", str(model_dir)]
+        gateway = [sys.executable, "-m", "m3stack", "gateway", "--model", str(model_dir), "--engines", engine]
+        children = {
+            "engine": subprocess.Popen(
+                [*bench, "--serve-stub", str(ports["engine"]), "--token-interval-ms", str(args.token_interval_ms)]
             ),
-            subprocess.Popen(
-                [
-                    python,
-                    "-m",
-                    "m3stack",
-                    "gateway",
-                    "--model",
-                    str(model_dir),
-                    "--engines",
-                    f"{LOOPBACK}:{engine_port}",
-                    "--port",
-                    str(gateway_port),
-                ],
-                env={**os.environ, "M3STACK_LOG_LEVEL": "WARNING"},
+            "gateway": subprocess.Popen(
+                [*gateway, "--port", str(ports["gateway"])], env={**os.environ, "M3STACK_LOG_LEVEL": "WARNING"}
             ),
-        ]
+            "floor": subprocess.Popen(
+                [*bench, "--serve-floor", str(ports["floor"]), "--engine-port", str(ports["engine"])]
+            ),
+        }
         try:
-            wait_ready(f"http://{LOOPBACK}:{gateway_port}/ready", 60)
+            for process in ("gateway", "floor"):
+                wait_ready(f"http://{LOOPBACK}:{ports[process]}/ready", 60)
             load_before = os.getloadavg()[0]
-            rows = asyncio.run(measure(args, engine_port, gateway_port, prompt_ids, (children[0].pid, children[1].pid)))
+            pids = {process: child.pid for process, child in children.items()}
+            rows = asyncio.run(measure(args, ports, prompt_ids, pids))
             load_after = os.getloadavg()[0]
         finally:
-            for child in children:
+            for child in children.values():
                 child.terminate()
-            for child in children:
+            for child in children.values():
                 child.wait(timeout=30)
     settings = {
         "tokens_per_request": args.tokens,
