@@ -76,6 +76,9 @@ SWEEP_BUDGET_S = 55  # per swept case
 SCAN_PROGRAMS_PER_SM = [1, 2, 3, 4]
 SCAN_CONFIGS = [ScanConfig(p, w, s) for p, w, s in ((1, 4, 3), (1, 4, 2), (1, 4, 4), (1, 8, 3), (2, 4, 2), (2, 8, 2),
                                                     (2, 8, 3))]  # fmt: skip
+# (scan config with page ids loaded ahead, programs per SM its shared memory allows)
+AHEAD_CONFIGS = [(ScanConfig(1, 4, 3, page_ids_ahead=True), 2), (ScanConfig(1, 4, 2, page_ids_ahead=True), 3),
+                 (ScanConfig(1, 4, 4, page_ids_ahead=True), 1), (ScanConfig(1, 8, 3, page_ids_ahead=True), 2)]
 ATTENTION_CONFIGS = [
     TritonDecodeConfig(),
     TritonDecodeConfig(pages_per_split=1),
@@ -376,6 +379,14 @@ def sweep(case: Case, use_flashinfer: bool, deadline: float) -> tuple[list[dict[
                lambda c=config: time_index(case, crowded, c, fp8=True), case.index_bytes // 2)  # fmt: skip
     record("index_occupancy", f"programs_per_sm=4 splits={crowded.scan_splits} {scan_name(SCAN_CONFIGS[1])}",
            lambda: time_index(case, crowded, SCAN_CONFIGS[1]), case.index_bytes)  # fmt: skip
+    # Page ids one iteration ahead: the key tiles are then really multi-buffered (bench.sm90_compile: 100 KiB of
+    # shared memory at 3 stages, 2 programs per SM; 68 KiB, i.e. one tile ahead whatever the stages, without).
+    for config, programs in AHEAD_CONFIGS:
+        for fp8 in (False, True):
+            record("index_fp8_ahead" if fp8 else "index_ahead",
+                   f"programs_per_sm={programs} splits={plans[programs].scan_splits} {scan_name(config)}",
+                   lambda c=config, n=programs, f=fp8: time_index(case, plans[n], c, fp8=f),
+                   case.index_bytes // (2 if fp8 else 1))  # fmt: skip
     decode_index_topk(case.index_q, case.caches[-1].index_key, metadata, default_plan)
     for config in ATTENTION_CONFIGS[1:]:
         record("attention", attention_name(config), lambda c=config: time_attention(case, default_plan, c, None))
@@ -391,14 +402,28 @@ def sweep(case: Case, use_flashinfer: bool, deadline: float) -> tuple[list[dict[
 
 
 def scan_name(config: ScanConfig) -> str:
-    return f"pages={config.pages_per_iteration} warps={config.num_warps} stages={config.num_stages}" + (
-        "" if config.fused_merge else " separate merge"
-    )
+    name = f"pages={config.pages_per_iteration} warps={config.num_warps} stages={config.num_stages}"
+    name += "" if config.fused_merge else " separate merge"
+    return name + (" page ids ahead" if config.page_ids_ahead else "")
 
 
 def attention_name(config: TritonDecodeConfig) -> str:
     return (f"triton pages_per_split={config.pages_per_split} warps={config.num_warps} stages={config.num_stages}"
             + ("" if config.fused_combine else " separate combine"))  # fmt: skip
+
+
+def fastest_scan(results: list[dict[str, Any]], defaults: DecodeTuning) -> tuple[int, ScanConfig]:
+    """Programs per SM and scan config of the fastest bf16 index variant (``index`` and ``index_ahead`` parts)."""
+    timed = [r for r in results if r["part"] in ("index", "index_ahead") and "us" in r]
+    if not timed:
+        return defaults.scan_programs_per_sm, defaults.scan
+    variant = min(timed, key=lambda r: r["us"])["variant"]
+    known = SCAN_CONFIGS + [config for config, _ in AHEAD_CONFIGS]
+    if not variant.startswith("programs_per_sm="):  # a scan config at the default programs per SM
+        return defaults.scan_programs_per_sm, next((c for c in known if scan_name(c) == variant), defaults.scan)
+    programs, _, rest = variant.removeprefix("programs_per_sm=").partition(" splits=")
+    config_name = rest.partition(" ")[2]  # after the split count; empty: the default scan config
+    return int(programs), next((c for c in known if scan_name(c) == config_name), defaults.scan)
 
 
 def tuned_layer(case: Case, results: list[dict[str, Any]], use_flashinfer: bool,
@@ -412,9 +437,7 @@ def tuned_layer(case: Case, results: list[dict[str, Any]], use_flashinfer: bool,
         return min(timed, key=lambda r: r["us"])["variant"] if timed else default
 
     defaults = DecodeTuning()
-    programs = next((n for n in SCAN_PROGRAMS_PER_SM if fastest("index", "").startswith(f"programs_per_sm={n} ")),
-                    defaults.scan_programs_per_sm)  # fmt: skip
-    scan = next((c for c in SCAN_CONFIGS if scan_name(c) == fastest("index", "")), defaults.scan)
+    programs, scan = fastest_scan(results, defaults)
     attention = fastest("attention", attention_name(defaults.triton_attention))
     triton_config = next((c for c in ATTENTION_CONFIGS if attention_name(c) == attention), defaults.triton_attention)
     layer_times = {r["variant"]: r["us"] for r in results if r["part"] == "layer" and "us" in r}

@@ -15,6 +15,7 @@ table; ``--out`` also writes ``sm90_compile.json``.
 
 import argparse
 import dataclasses
+import itertools
 import logging
 import os
 import re
@@ -196,16 +197,48 @@ def prefill_builds() -> Iterator[KernelBuild]:
     )  # fmt: skip
 
 
+def decode_builds() -> Iterator[KernelBuild]:
+    """The MSA decode index scan at M3 dims (bf16 k-index, one token per request, merge and store fused), in the
+    scan configs ``bench.msa_decode`` sweeps, and with the page ids loaded one iteration ahead."""
+    from bench import msa_decode as bench
+    from m3stack.engine.msa import decode_index
+
+    shape = bench.M3
+    ranked = shape.topk - shape.local_blocks
+    pointers = dict(q_ptr="*bf16", key_ptr="*bf16", page_table_ptr="*i32", query_start_ptr="*i32",
+                    seq_lens_ptr="*i32", list_ptr="*i64", head_ptr="*i64", counter_ptr="*i32",
+                    row_indptr_ptr="*i32", selected_ptr="*i32", page_ids_ptr="*i32", slot_ptr="*i64", k_ptr="*bf16",
+                    v_ptr="*bf16", ik_ptr="*bf16", key_cache_ptr="*bf16", value_cache_ptr="*bf16",
+                    index_cache_ptr="*bf16")  # fmt: skip
+    constexprs = dict(
+        HIDX=shape.num_kv_heads, D=shape.index_head_dim, B=shape.block_size, N=16, CS=shape.num_kv_heads,
+        KP=triton.next_power_of_2(ranked), SP=512, TOPK=shape.topk, TOPK_P=triton.next_power_of_2(shape.topk),
+        KR=ranked, KR_P=triton.next_power_of_2(ranked), LOCAL=shape.local_blocks, INPUT_PRECISION="tf32",
+        MERGE=True, FLOOR=decode_index._FLOOR, STORE=True, ST_HKV=shape.num_kv_heads, ST_HKV_P=shape.num_kv_heads,
+        ST_D=shape.head_dim, ST_D_P=shape.head_dim, ST_DI=shape.index_head_dim, ST_DI_P=shape.index_head_dim,
+        ST_HAS_INDEX=True,
+    )  # fmt: skip
+    configs = [dataclasses.replace(c, page_ids_ahead=ahead) for ahead in (False, True) for c in bench.SCAN_CONFIGS]
+    for config in configs:
+        yield KernelBuild(
+            f"scan pages={config.pages_per_iteration} ahead={config.page_ids_ahead}", decode_index._scan_kernel,
+            pointers, dict(PAGES=config.pages_per_iteration, PAGE_IDS_AHEAD=config.page_ids_ahead, **constexprs),
+            num_warps=config.num_warps, num_stages=config.num_stages,
+        )  # fmt: skip
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--kernels", default="index,index_merge,block_major,merge,query_major,csr_bucket,csr_items")
+    parser.add_argument(
+        "--kernels", default="index,index_merge,block_major,merge,query_major,csr_bucket,csr_items,scan"
+    )
     parser.add_argument("--dump", type=Path, default=None, help="write each build's TTGIR and PTX here")
     parser.add_argument("--out", type=Path, default=None, help="also write sm90_compile.json here")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     rows = []
     kernels = set(args.kernels.split(","))
-    for build in (b for b in prefill_builds() if b.name.split(" ")[0] in kernels):
+    for build in (b for b in itertools.chain(prefill_builds(), decode_builds()) if b.name.split(" ")[0] in kernels):
         rows.append(compile_report(build, args.dump))
         logger.info("%s", rows[-1])
     if args.out is not None:

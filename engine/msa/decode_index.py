@@ -58,6 +58,9 @@ class ScanConfig:
     num_stages: int = 3
     # Merge in the scan's last program per request (one launch) rather than in a second launch.
     fused_merge: bool = True
+    # Load the next iteration's page ids during this one, so a key tile's address never waits on a load of
+    # the same iteration (the prefill indexer's fix for Triton's pipeliner); off until the H200 sweep says.
+    page_ids_ahead: bool = False
 
 
 # Columns of the scan's MMA: at least 16 (tensor-core minimum); (tokens x index heads) beyond
@@ -170,6 +173,16 @@ def _merge_columns(
     tl.store(page_ids_ptr + row_start[:, None] + out, page * HIDX + head[:, None], mask=valid)
 
 
+@triton.jit
+def _row_pages(page_row, first, block_hi, page_of_row, PAGES: tl.constexpr, B: tl.constexpr):
+    """The page of each row of the key tile of blocks ``first .. first + PAGES - 1`` (0 past ``block_hi``)."""
+    row_page = tl.full([PAGES * B], 0, tl.int64)
+    for p in tl.static_range(PAGES):
+        page = tl.load(page_row + first + p, mask=first + p < block_hi, other=0).to(tl.int64)
+        row_page = tl.where(page_of_row == p, page, row_page)
+    return row_page
+
+
 # Counts and widths that change from step to step stay unspecialized: Triton would otherwise compile a
 # variant per value class (1, multiples of 16, others) the first time a step meets it, mid-serving.
 @triton.jit(do_not_specialize=["num_splits", "num_tokens", "stride_pt"])
@@ -182,7 +195,8 @@ def _scan_kernel(
     stride_kt, stride_kh, stride_vt, stride_vh, stride_ikt, stride_cp, stride_ch, stride_cb, stride_ip, stride_ib,
     HIDX: tl.constexpr, D: tl.constexpr, B: tl.constexpr, N: tl.constexpr, CS: tl.constexpr, KP: tl.constexpr,
     SP: tl.constexpr, TOPK: tl.constexpr, TOPK_P: tl.constexpr, KR: tl.constexpr, KR_P: tl.constexpr,
-    LOCAL: tl.constexpr, PAGES: tl.constexpr, INPUT_PRECISION: tl.constexpr, MERGE: tl.constexpr,
+    LOCAL: tl.constexpr, PAGES: tl.constexpr, PAGE_IDS_AHEAD: tl.constexpr, INPUT_PRECISION: tl.constexpr,
+    MERGE: tl.constexpr,
     FLOOR: tl.constexpr, STORE: tl.constexpr, ST_HKV: tl.constexpr, ST_HKV_P: tl.constexpr, ST_D: tl.constexpr,
     ST_D_P: tl.constexpr, ST_DI: tl.constexpr, ST_DI_P: tl.constexpr, ST_HAS_INDEX: tl.constexpr,
 ):  # fmt: skip
@@ -222,11 +236,14 @@ def _scan_kernel(
     page_slot = tl.arange(0, PAGES)[:, None]
     top = _empty_slot(N, KP)  # [N, KP] running top-K per column
     page_row = page_table_ptr + request.to(tl.int64) * stride_pt
+    if PAGE_IDS_AHEAD:
+        next_row_page = _row_pages(page_row, block_lo, block_hi, page_of_row, PAGES, B)
     for first in range(block_lo, block_hi, PAGES):
-        row_page = tl.full([PAGES * B], 0, tl.int64)
-        for p in tl.static_range(PAGES):
-            page = tl.load(page_row + first + p, mask=first + p < block_hi, other=0).to(tl.int64)
-            row_page = tl.where(page_of_row == p, page, row_page)
+        if PAGE_IDS_AHEAD:
+            row_page = next_row_page
+            next_row_page = _row_pages(page_row, first + PAGES, block_hi, page_of_row, PAGES, B)
+        else:
+            row_page = _row_pages(page_row, first, block_hi, page_of_row, PAGES, B)
         keys = tl.load(
             key_ptr + row_page[:, None] * stride_kp + row_in_page[:, None] * stride_kb + dims[None, :],
             mask=(first + page_of_row < block_hi)[:, None],
@@ -416,7 +433,8 @@ def scan_index_pages(
         index_q.stride(0), index_q.stride(1), index_key_cache.stride(0), index_key_cache.stride(1),
         metadata.page_table.stride(0), splits, num_tokens, *store_args,
         D=head_dim, N=max(16, triton.next_power_of_2(num_heads * plan.max_query_len)),
-        PAGES=config.pages_per_iteration, INPUT_PRECISION="ieee" if index_q.dtype == torch.float32 else "tf32",
+        PAGES=config.pages_per_iteration, PAGE_IDS_AHEAD=config.page_ids_ahead,
+        INPUT_PRECISION="ieee" if index_q.dtype == torch.float32 else "tf32",
         MERGE=scan.merged, STORE=new_keys is not None, **_merge_constexprs(plan, merge), **store_constexprs,
         num_warps=config.num_warps, num_stages=config.num_stages,
     )  # fmt: skip

@@ -66,8 +66,9 @@ def check_attention(paged: PagedBatch, q: torch.Tensor, selected: torch.Tensor, 
 
 @pytest.mark.parametrize(
     ("config", "splits"),
-    [(ScanConfig(), None), (ScanConfig(2, 8, 3), 7), (ScanConfig(1, 8, 4), 512)],
-    ids=["default", "two-pages-7-splits", "8-warps-512-splits"],
+    [(ScanConfig(), None), (ScanConfig(2, 8, 3), 7), (ScanConfig(1, 8, 4), 512),
+     (ScanConfig(page_ids_ahead=True), None), (ScanConfig(1, 4, 4, page_ids_ahead=True), 5)],
+    ids=["default", "two-pages-7-splits", "8-warps-512-splits", "page-ids-ahead", "page-ids-ahead-4-stages"],
 )
 def test_index_selection_and_page_ids(batch, config: ScanConfig, splits: int | None) -> None:
     paged, _, index_q = batch

@@ -71,10 +71,17 @@ def test_selection_and_page_ids_match_reference(dtype: torch.dtype, splits: int 
     check_against_reference(batch, index_q, shape_for(topk=4, local_blocks=1), splits)
 
 
-def test_two_local_blocks_wide_topk_and_two_pages_per_step() -> None:
+@pytest.mark.parametrize("page_ids_ahead", [False, True], ids=["page-ids-in-step", "page-ids-ahead"])
+def test_two_local_blocks_wide_topk_and_two_pages_per_step(page_ids_ahead: bool) -> None:
     batch, index_q = make_batch(torch.float32, seed=5)
-    config = ScanConfig(pages_per_iteration=2)
+    config = ScanConfig(pages_per_iteration=2, page_ids_ahead=page_ids_ahead)
     check_against_reference(batch, index_q, shape_for(topk=8, local_blocks=2), splits=2, config=config)
+
+
+def test_page_ids_loaded_ahead_select_the_same_blocks() -> None:
+    batch, index_q = make_batch(torch.float16, seed=13)
+    config = ScanConfig(page_ids_ahead=True)
+    check_against_reference(batch, index_q, shape_for(topk=4, local_blocks=1), splits=3, config=config)
 
 
 @pytest.mark.parametrize("value", [1.0, 0.0], ids=["equal-keys", "zero-keys"])

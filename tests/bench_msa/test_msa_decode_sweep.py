@@ -1,0 +1,31 @@
+"""How bench.msa_decode turns its sweep into the tuned layer: the variant names it records name a launch again."""
+
+from bench.msa_decode import AHEAD_CONFIGS, SCAN_CONFIGS, fastest_scan, scan_name
+from m3stack.engine.msa.decode_tuning import DecodeTuning
+
+DEFAULTS = DecodeTuning()
+
+
+def _row(part: str, variant: str, us: float | None) -> dict:
+    return {"part": part, "variant": variant, **({"us": us} if us is not None else {"error": "skipped"})}
+
+
+def test_the_fastest_bf16_index_variant_wins_whatever_part_recorded_it():
+    ahead, programs = AHEAD_CONFIGS[0]
+    rows = [
+        _row("index", "programs_per_sm=3 splits=396", 76.0),
+        _row("index", scan_name(SCAN_CONFIGS[2]), 75.0),
+        _row("index_ahead", f"programs_per_sm={programs} splits=264 {scan_name(ahead)}", 60.0),
+        _row("index_fp8_ahead", f"programs_per_sm=3 splits=396 {scan_name(ahead)}", 40.0),  # fp8: not a bf16 choice
+        _row("index_ahead", f"programs_per_sm=1 splits=132 {scan_name(AHEAD_CONFIGS[2][0])}", None),  # untimed
+    ]
+    assert fastest_scan(rows, DEFAULTS) == (programs, ahead)
+    assert fastest_scan(rows[:2], DEFAULTS) == (DEFAULTS.scan_programs_per_sm, SCAN_CONFIGS[2])
+    only_programs = [_row("index", "programs_per_sm=2 splits=264", 70.0)]  # the default scan config
+    assert fastest_scan(only_programs, DEFAULTS) == (2, DEFAULTS.scan)
+    assert fastest_scan([], DEFAULTS) == (DEFAULTS.scan_programs_per_sm, DEFAULTS.scan)
+
+
+def test_every_swept_scan_config_has_its_own_name():
+    configs = SCAN_CONFIGS + [config for config, _ in AHEAD_CONFIGS]
+    assert len({scan_name(c) for c in configs}) == len(configs)
