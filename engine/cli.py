@@ -96,6 +96,7 @@ def add_arguments(opts: OptionGroup) -> None:
     )
     opts.flag("--disable-prefix-caching", help="never share KV blocks between requests")
     opts.flag("--enforce-eager", help="no CUDA graphs for decode steps")
+    opts.flag("--skip-warmup", help="take traffic without first compiling the kernels on synthetic requests (GPU)")
     opts.add(
         "--attention",
         default="auto",
@@ -173,6 +174,7 @@ def run(args: argparse.Namespace) -> int:
             max_queue=args.max_queue,
             enable_prefix_caching=not args.disable_prefix_caching,
             cuda_graphs=not args.enforce_eager,
+            warmup=False if args.skip_warmup else None,
             async_scheduling=False if args.disable_async_scheduling else None,
             cpu_threads=args.cpu_threads,
             attention=args.attention,

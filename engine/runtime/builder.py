@@ -33,6 +33,7 @@ from m3stack.engine.runtime.kv_cache_manager import KVCacheManager
 from m3stack.engine.runtime.request import Request, SamplingParams
 from m3stack.engine.runtime.runner import ModelRunner
 from m3stack.engine.runtime.scheduler import Scheduler, SchedulerConfig
+from m3stack.engine.runtime.warmup import warm_up
 
 logger = logging.getLogger(__name__)
 
@@ -150,6 +151,8 @@ def assemble_engine_core(
     core = parts.core(num_blocks, max_model_len, use_graphs, tiers)
     if use_graphs:
         core.runner.decode_graphs.capture()
+    if config.warmup if config.warmup is not None else device.type == "cuda":
+        warm_up(core, seed=config.seed)
     logger.info(
         "KV cache: %d blocks x %d tokens = %d tokens (%.2f GiB); context limit %d",
         num_blocks - 1,

@@ -35,6 +35,8 @@ class EngineConfig:
     max_queue: int = 1024
     enable_prefix_caching: bool = True
     cuda_graphs: bool = True
+    # Synthetic requests that compile the kernels before the engine serves (runtime.warmup); None: on for cuda.
+    warmup: bool | None = None
     # Schedule step N+1 while step N runs on the device; None: on for cuda (on cpu nothing overlaps).
     async_scheduling: bool | None = None
     encoder_cache_embeds: int | None = None  # None: max(max_num_batched_tokens, 16384)
