@@ -214,7 +214,7 @@ def decode_builds() -> Iterator[KernelBuild]:
         HIDX=shape.num_kv_heads, D=shape.index_head_dim, B=shape.block_size, N=16, CS=shape.num_kv_heads,
         KP=triton.next_power_of_2(ranked), SP=512, TOPK=shape.topk, TOPK_P=triton.next_power_of_2(shape.topk),
         KR=ranked, KR_P=triton.next_power_of_2(ranked), LOCAL=shape.local_blocks, INPUT_PRECISION="tf32",
-        MERGE=True, FLOOR=decode_index._FLOOR, STORE=True, ST_HKV=shape.num_kv_heads, ST_HKV_P=shape.num_kv_heads,
+        MERGE=True, FLOOR=decode_index._FLOOR, ST_HKV=shape.num_kv_heads, ST_HKV_P=shape.num_kv_heads,
         ST_D=shape.head_dim, ST_D_P=shape.head_dim, ST_DI=shape.index_head_dim, ST_DI_P=shape.index_head_dim,
         ST_HAS_INDEX=True,
     )  # fmt: skip

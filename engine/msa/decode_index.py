@@ -185,26 +185,29 @@ def _row_pages(page_row, first, block_hi, page_of_row, PAGES: tl.constexpr, B: t
 
 # Counts and widths that change from step to step stay unspecialized: Triton would otherwise compile a
 # variant per value class (1, multiples of 16, others) the first time a step meets it, mid-serving.
-@triton.jit(do_not_specialize=["num_splits", "num_tokens", "stride_pt"])
+# Whether the step's keys are stored here is a runtime flag too, with stand-in store arguments of the same types
+# and constexprs otherwise: the CUDA graphs capture pure decode steps (storing), and a mixed step run eagerly
+# later (not storing) must find the same compiled kernel rather than compile its own variant mid-serving.
+@triton.jit(do_not_specialize=["num_splits", "num_tokens", "stride_pt", "store"])
 def _scan_kernel(
     q_ptr, key_ptr, page_table_ptr, query_start_ptr, seq_lens_ptr, list_ptr, head_ptr, counter_ptr,
     row_indptr_ptr, selected_ptr, page_ids_ptr,
-    stride_qt, stride_qh, stride_kp, stride_kb, stride_pt, num_splits, num_tokens,
-    # msa.store.store_token's arguments (used with STORE only)
+    stride_qt, stride_qh, stride_kp, stride_kb, stride_pt, num_splits, num_tokens, store,
+    # msa.store.store_token's arguments (read only when store is nonzero)
     slot_ptr, k_ptr, v_ptr, ik_ptr, key_cache_ptr, value_cache_ptr, index_cache_ptr,
     stride_kt, stride_kh, stride_vt, stride_vh, stride_ikt, stride_cp, stride_ch, stride_cb, stride_ip, stride_ib,
     HIDX: tl.constexpr, D: tl.constexpr, B: tl.constexpr, N: tl.constexpr, CS: tl.constexpr, KP: tl.constexpr,
     SP: tl.constexpr, TOPK: tl.constexpr, TOPK_P: tl.constexpr, KR: tl.constexpr, KR_P: tl.constexpr,
     LOCAL: tl.constexpr, PAGES: tl.constexpr, PAGE_IDS_AHEAD: tl.constexpr, INPUT_PRECISION: tl.constexpr,
     MERGE: tl.constexpr,
-    FLOOR: tl.constexpr, STORE: tl.constexpr, ST_HKV: tl.constexpr, ST_HKV_P: tl.constexpr, ST_D: tl.constexpr,
+    FLOOR: tl.constexpr, ST_HKV: tl.constexpr, ST_HKV_P: tl.constexpr, ST_D: tl.constexpr,
     ST_D_P: tl.constexpr, ST_DI: tl.constexpr, ST_DI_P: tl.constexpr, ST_HAS_INDEX: tl.constexpr,
 ):  # fmt: skip
     split = tl.program_id(0)
     request = tl.program_id(1)
     q_start, q_len, seq_len, num_candidates, per_split = _request_span(query_start_ptr, seq_lens_ptr, request,
                                                                        num_splits, B, LOCAL)  # fmt: skip
-    if STORE:  # noqa: SIM102 (a constexpr branch on its own: compiled out without STORE)
+    if store != 0:  # noqa: SIM102
         if split == 0:
             # The request's one new token (the host checks) lands in its last block: local, never scanned.
             store_token(
@@ -369,12 +372,26 @@ def _merge_constexprs(plan: SparseDecodePlan, merge: _MergeShape) -> dict[str, i
     )  # fmt: skip
 
 
-def _store_arguments(new_keys: NewKeys | None, index_q: torch.Tensor, plan: SparseDecodePlan,
-                     metadata: AttentionMetadata) -> tuple[tuple, dict[str, int | bool]]:  # fmt: skip
-    """The scan's store arguments: the real ones with ``new_keys``, else placeholders it never reads."""
+def _store_constexprs(plan: SparseDecodePlan) -> dict[str, int | bool]:
+    """``store_token``'s constexprs for an MSA layer of the plan's shape (its cache always has index keys)."""
+    shape = plan.shape
+    return dict(ST_HKV=shape.num_kv_heads, ST_HKV_P=triton.next_power_of_2(shape.num_kv_heads), ST_D=shape.head_dim,
+                ST_D_P=triton.next_power_of_2(shape.head_dim), ST_DI=shape.index_head_dim,
+                ST_DI_P=triton.next_power_of_2(shape.index_head_dim), ST_HAS_INDEX=True)  # fmt: skip
+
+
+def _store_arguments(
+    new_keys: NewKeys | None,
+    index_q: torch.Tensor,
+    index_key_cache: torch.Tensor,
+    plan: SparseDecodePlan,
+    metadata: AttentionMetadata,
+) -> tuple[tuple, dict[str, int | bool]]:
+    """The scan's store arguments: the real ones with ``new_keys``, else stand-ins of the same types and the same
+    constexprs (the scan never reads them), so both cases share one compiled kernel."""
     if new_keys is None:
-        return (index_q,) * 7 + (0,) * 10, dict(ST_HKV=1, ST_HKV_P=1, ST_D=1, ST_D_P=1, ST_DI=1, ST_DI_P=1,
-                                                  ST_HAS_INDEX=False)  # fmt: skip
+        stand_ins = (metadata.slot_mapping, index_q, index_q, index_q, index_q, index_q, index_key_cache)
+        return stand_ins + (0,) * 10, _store_constexprs(plan)
     if not metadata.is_pure_decode:
         raise ValueError("the scan stores new keys only for decode steps of one token per request")
     check_store_inputs(new_keys.cache, new_keys.slot_mapping, new_keys.k, new_keys.v, new_keys.index_k)
@@ -384,7 +401,10 @@ def _store_arguments(new_keys: NewKeys | None, index_q: torch.Tensor, plan: Spar
                                          new_keys.index_k)  # fmt: skip
     if constexprs.pop("B") != plan.shape.block_size:
         raise ValueError("the cache's page size differs from the plan's block size")
-    return args, {f"ST_{name}": value for name, value in constexprs.items()}
+    constexprs = {f"ST_{name}": value for name, value in constexprs.items()}
+    if constexprs != _store_constexprs(plan):
+        raise ValueError(f"the cache's shape {constexprs} differs from the plan's {_store_constexprs(plan)}")
+    return args, constexprs
 
 
 @dataclass
@@ -413,7 +433,7 @@ def scan_index_pages(
     config = config or ScanConfig()
     shape = plan.shape
     num_tokens, num_heads, head_dim = index_q.shape
-    store_args, store_constexprs = _store_arguments(new_keys, index_q, plan, metadata)
+    store_args, store_constexprs = _store_arguments(new_keys, index_q, index_key_cache, plan, metadata)
     merge = _merge_shape(plan)
     splits = plan.scan_splits
     device = index_q.device
@@ -431,11 +451,11 @@ def scan_index_pages(
         index_q, index_key_cache, metadata.page_table, metadata.query_start_loc, metadata.seq_lens, scan.lists,
         scan.heads, plan.scan_counters, plan.row_indptr, scan.selected, plan.page_ids,
         index_q.stride(0), index_q.stride(1), index_key_cache.stride(0), index_key_cache.stride(1),
-        metadata.page_table.stride(0), splits, num_tokens, *store_args,
+        metadata.page_table.stride(0), splits, num_tokens, int(new_keys is not None), *store_args,
         D=head_dim, N=max(16, triton.next_power_of_2(num_heads * plan.max_query_len)),
         PAGES=config.pages_per_iteration, PAGE_IDS_AHEAD=config.page_ids_ahead,
         INPUT_PRECISION="ieee" if index_q.dtype == torch.float32 else "tf32",
-        MERGE=scan.merged, STORE=new_keys is not None, **_merge_constexprs(plan, merge), **store_constexprs,
+        MERGE=scan.merged, **_merge_constexprs(plan, merge), **store_constexprs,
         num_warps=config.num_warps, num_stages=config.num_stages,
     )  # fmt: skip
     return scan
