@@ -255,10 +255,14 @@ async def _long_request(served: ServedEngine, name: str, prompt: list[int], new_
         return output_tokens(core)
 
     def on_tokens(count: int) -> None:
+        # Each switch waits for the previous one to have taken effect plus a third of the tokens: tokens may
+        # arrive several to a chunk, which must not let both switches land on the same step.
         received[0] = count
-        for third, switch in ((1, go_eager), (2, go_graphs)):
-            if count >= third * new_tokens // 3 and len(switches) == third - 1:
-                switches.append(asyncio.ensure_future(served.engine.run_on_engine_thread(switch)))
+        third = max(1, new_tokens // 3)
+        if not switches and count >= third:
+            switches.append(asyncio.ensure_future(served.engine.run_on_engine_thread(go_eager)))
+        elif len(switches) == 1 and switches[0].done() and count >= switches[0].result() + third:
+            switches.append(asyncio.ensure_future(served.engine.run_on_engine_thread(go_graphs)))
 
     async with progress(f"long {name}", lambda: f"{received[0]} of {new_tokens} tokens (0: still prefilling)"):
         result = await stream_request(served.stub, request_id, "long", prompt, new_tokens, on_tokens)
