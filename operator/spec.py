@@ -97,6 +97,7 @@ class Engine:
     startup_timeout_seconds: int
     drain: Drain
     shm_size: str | int
+    kernel_cache_claim: str | None  # a claim shared by the engine pods for compiled kernels; None: the pod's /tmp
     env: list[dict[str, Any]]
     extra_args: list[str]
     scheduling: Scheduling
@@ -256,6 +257,7 @@ def _engine(raw: Mapping[str, Any]) -> Engine:
         startup_timeout_seconds=raw["startup"]["timeoutSeconds"],
         drain=_drain(raw["drain"]),
         shm_size=raw["shmSize"],
+        kernel_cache_claim=raw["kernelCache"].get("claimName"),
         env=list(raw.get("env", [])),
         extra_args=list(raw.get("extraArgs", [])),
         scheduling=_scheduling(raw),

@@ -14,6 +14,8 @@ GRPC_PORT_NAME = "grpc"
 METRICS_PORT_NAME = "metrics"
 STARTUP_PROBE_PERIOD_SECONDS = 10
 SHM_VOLUME = "dshm"
+KERNEL_CACHE_VOLUME = "kernel-cache"
+KERNEL_CACHE_PATH = "/var/cache/m3stack"
 # A Deployment reports ProgressDeadlineExceeded this long after a model was allowed to finish loading.
 PROGRESS_MARGIN_SECONDS = 600
 
@@ -38,10 +40,21 @@ def engine_resources(engine: Engine) -> dict[str, Any]:
     return resources
 
 
+def _kernel_cache_env(engine: Engine) -> list[dict[str, Any]]:
+    """Triton's and FlashInfer's compile caches on the shared claim (the spec's own variables win)."""
+    if engine.kernel_cache_claim is None:
+        return []
+    ours = [{"name": "TRITON_CACHE_DIR", "value": f"{KERNEL_CACHE_PATH}/triton"},
+            {"name": "FLASHINFER_WORKSPACE_BASE", "value": KERNEL_CACHE_PATH}]  # fmt: skip
+    names = {variable["name"] for variable in engine.env}
+    return [variable for variable in ours if variable["name"] not in names]
+
+
 def _container(m3d: M3Deployment, image: str, mounts: list[dict[str, Any]]) -> dict[str, Any]:
     engine = m3d.spec.engine
+    env = [*_kernel_cache_env(engine), *engine.env]
     return {
-        **pods.m3stack_container(m3d, ENGINE, image, engine.pull_policy, engine_args(m3d), engine.env),
+        **pods.m3stack_container(m3d, ENGINE, image, engine.pull_policy, engine_args(m3d), env),
         "ports": [
             {"name": GRPC_PORT_NAME, "containerPort": engine.grpc_port, "protocol": "TCP"},
             {"name": METRICS_PORT_NAME, "containerPort": engine.metrics_port, "protocol": "TCP"},
@@ -78,6 +91,9 @@ def engine_deployment(m3d: M3Deployment, image: str, config_hash: str) -> dict[s
     engine = m3d.spec.engine
     volumes, mounts = pods.model_volumes(m3d)
     volumes.append({"name": SHM_VOLUME, "emptyDir": {"medium": "Memory", "sizeLimit": engine.shm_size}})
+    if engine.kernel_cache_claim is not None:
+        volumes.append({"name": KERNEL_CACHE_VOLUME, "persistentVolumeClaim": {"claimName": engine.kernel_cache_claim}})
+        mounts = [*mounts, {"name": KERNEL_CACHE_VOLUME, "mountPath": KERNEL_CACHE_PATH}]
     node_selector = {GPU_PRODUCT_LABEL: engine.accelerator.product} if engine.accelerator.product else {}
     # GPU node pools are commonly tainted with the device resource name (GKE, AKS, the GPU operator).
     gpu_toleration = (

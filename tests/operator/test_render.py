@@ -277,3 +277,19 @@ def test_images_named_in_the_spec_win(make_m3d, images):
     children = _by_kind(render_children(m3d, images))
     assert _container(children[("Deployment", "demo-engine")])["image"] == "mine/engine:2"
     assert _container(children[("Deployment", "demo-gateway")])["image"] == "mine/gateway:2"
+
+
+def test_compiled_kernels_go_to_the_shared_claim_when_there_is_one(make_m3d, images):
+    plain = _by_kind(render_children(make_m3d({}), images))[("Deployment", "demo-engine")]
+    assert not any(v.get("persistentVolumeClaim") for v in plain["spec"]["template"]["spec"]["volumes"])
+    assert "TRITON_CACHE_DIR" not in {v["name"] for v in _container(plain)["env"]}
+    m3d = make_m3d({"engine": {"kernelCache": {"claimName": "kernels"}, "env": [
+        {"name": "FLASHINFER_WORKSPACE_BASE", "value": "/elsewhere"}]}})  # fmt: skip
+    deployment = _by_kind(render_children(m3d, images))[("Deployment", "demo-engine")]
+    volumes = deployment["spec"]["template"]["spec"]["volumes"]
+    assert {"name": "kernel-cache", "persistentVolumeClaim": {"claimName": "kernels"}} in volumes
+    container = _container(deployment)
+    assert {"name": "kernel-cache", "mountPath": "/var/cache/m3stack"} in container["volumeMounts"]
+    env = [(v["name"], v["value"]) for v in container["env"]]
+    assert ("TRITON_CACHE_DIR", "/var/cache/m3stack/triton") in env
+    assert [value for name, value in env if name == "FLASHINFER_WORKSPACE_BASE"] == ["/elsewhere"]  # the spec's wins

@@ -30,6 +30,7 @@ INVALID: list[tuple[str, dict[str, Any], str]] = [
      "parallelism.tensor must not exceed accelerator.count"),
     ("same-ports", {"engine": {"grpcPort": 9400}}, "engine.grpcPort and engine.metricsPort must differ"),
     ("bad-offload-size", {"engine": {"kvCache": {"cpuOffload": {"size": "lots"}}}}, "should match"),
+    ("bad-kernel-cache-claim", {"engine": {"kernelCache": {"claimName": "Not_A_Name"}}}, "should match"),
     ("tls-without-host", {"exposure": {"ingress": {"tls": {"secretName": "cert"}}}},
      "exposure.ingress.tls needs exposure.ingress.host"),
     ("bad-routing", {"gateway": {"routing": {"policy": "Random"}}}, 'Unsupported value: "Random"'),
@@ -83,6 +84,8 @@ def test_a_valid_resource_is_accepted_and_defaulted(kube, chart):
     assert spec["engine"]["drain"] == {"preStopSeconds": 15, "shutdownTimeoutSeconds": 300}
     assert spec["autoscaling"]["engine"]["mode"] == "None"
     assert spec["gateway"]["routing"]["policy"] == "PrefixAware"
+    assert spec["engine"]["kernelCache"] == {}  # the pod's /tmp unless a claim is named
+    assert _create(kube, m3deployment("cached", {"engine": {"kernelCache": {"claimName": "kernels"}}})) == ""
 
 
 def test_scaling_through_the_subresource_is_validated_too(kube, chart):
