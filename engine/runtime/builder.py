@@ -151,7 +151,8 @@ def assemble_engine_core(
     core = parts.core(num_blocks, max_model_len, use_graphs, tiers)
     if use_graphs:
         core.runner.decode_graphs.capture()
-    if config.warmup if config.warmup is not None else device.type == "cuda":
+    warmup = config.warmup if config.warmup is not None else device.type == "cuda"
+    if warmup:  # before the engine reports itself loaded: the first users do not wait for kernel compiles
         warm_up(core, seed=config.seed)
     logger.info(
         "KV cache: %d blocks x %d tokens = %d tokens (%.2f GiB); context limit %d",

@@ -1,6 +1,8 @@
 """The engine warm-up (compiling kernels on synthetic requests before serving) on the tiny model: it runs every
 part the engine's limits allow, and users meet an engine that cannot tell it ran."""
 
+import logging
+
 import pytest
 
 from m3stack.engine.runtime.offline import generate
@@ -45,3 +47,12 @@ def test_a_busy_engine_is_not_warmed(build_core):
     core.add_request(make_request([1, 2, 3]))
     with pytest.raises(RuntimeError, match="idle"):
         warm_up(core)
+
+
+def test_the_builder_warms_up_when_asked_and_by_default_only_on_gpus(build_core, caplog):
+    with caplog.at_level(logging.INFO, logger="m3stack.engine.runtime.warmup"):
+        build_core(num_kv_blocks=64, max_model_len=512)  # cpu: off by default
+        assert "warm-up:" not in caplog.text
+        core = build_core(num_kv_blocks=64, max_model_len=512, warmup=True)
+    assert "warm-up: 2 requests" in caplog.text
+    assert core.stats().num_steps == 0 and not core.scheduler.kv.pool.cached
