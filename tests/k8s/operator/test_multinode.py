@@ -48,8 +48,8 @@ MULTI_NODE = {
 
 
 @pytest.fixture(scope="module")
-def lws_crd(k8s_cluster, tmp_path_factory) -> Iterator[bool]:
-    """The CRD installed; True while the LWS controller runs too (when it has been built)."""
+def lws_crd(k8s_cluster, tmp_path_factory) -> Iterator[LwsController | None]:
+    """The CRD installed; the LWS controller running too when it has been built (else None)."""
     build = subprocess.run([str(REPO_ROOT / "tests/k8s/infra/build-lws"), "--crd-only"], capture_output=True,
                            text=True, check=True, timeout=600)  # fmt: skip
     folder = build.stdout.strip()
@@ -62,11 +62,11 @@ def lws_crd(k8s_cluster, tmp_path_factory) -> Iterator[bool]:
     wait_for("the LeaderWorkerSet CRD to be established", established)
     binary = Path(folder) / "bin" / "lws-controller"
     if not os.access(binary, os.X_OK):
-        yield False
+        yield None
         return
     controller = LwsController(k8s_cluster, binary, tmp_path_factory.mktemp("lws")).start()
     try:
-        yield True
+        yield controller
     finally:
         controller.stop()
 
@@ -85,6 +85,8 @@ def kube(k8s_cluster, chart, lws_crd, tmp_path_factory, request) -> Iterator[Kub
     process.stop()
     if request.session.testsfailed > failures_before:
         sys.stderr.write(f"\n--- operator log ---\n{process.log_tail()}\n")
+        if lws_crd is not None:
+            sys.stderr.write(f"\n--- LWS controller log ---\n{lws_crd.log_tail()}\n")
     k8s_cluster.kubectl("delete", "namespace", namespace, "--wait=false")
 
 
@@ -138,7 +140,10 @@ def test_a_multi_node_engine_is_a_leader_worker_set_whose_groups_make_the_status
 
     def statuses() -> str:
         lws_status = (_lws(kube, "mn-engine") or {}).get("status")
-        return f"LeaderWorkerSet status {lws_status}; M3Deployment engine status {_engines(kube, 'mn')}"
+        # LWS counts a group ready from its leader pod and its worker StatefulSet's status (kube-controller-manager).
+        workers = {s["metadata"]["name"]: s.get("status") for s in kube.json("get", "statefulsets")["items"]}
+        return (f"LeaderWorkerSet status {lws_status}; StatefulSets {workers}; "
+                f"M3Deployment engine status {_engines(kube, 'mn')}")  # fmt: skip
 
     wait_for("the engine groups in the M3Deployment status", lambda: _engines(kube, "mn").get("readyReplicas") == 2,
              timeout_s=180, detail=statuses)  # fmt: skip
