@@ -214,12 +214,15 @@ def test_unschedulable_engines_report_insufficient_capacity(kube, k8s_node_pool)
         "tolerations": [pool.toleration],
     }
     kube.apply(m3deployment("crowded", {"engine": engine}))
-    wait_for(
-        "Ready=False because of InsufficientCapacity",
-        lambda: kube.condition("crowded", "Ready").get("reason") == "InsufficientCapacity",
-    )
+
+    # The second engine is reported unschedulable as soon as the scheduler says so, which can be before the
+    # first one is Ready: wait for both facts, then for what they make of the resource.
+    def one_ready_one_unschedulable() -> bool:
+        ready = kube.m3d("crowded").get("status", {}).get("engine", {}).get("readyReplicas")
+        return ready == 1 and kube.condition("crowded", "Ready").get("reason") == "InsufficientCapacity"
+
+    wait_for("one engine Ready and Ready=False because of InsufficientCapacity", one_ready_one_unschedulable)
     status = kube.m3d("crowded")["status"]
-    assert status["engine"]["readyReplicas"] == 1
     assert status["phase"] == "Degraded"
     degraded = kube.condition("crowded", "Degraded")
     assert (degraded["status"], degraded["reason"]) == ("True", "InsufficientCapacity")
