@@ -20,6 +20,7 @@ from types import FrameType
 from typing import TYPE_CHECKING
 
 from m3stack import options
+from m3stack.local import processes
 from m3stack.options import OptionGroup
 
 if TYPE_CHECKING:  # the stack module is imported when `up` runs, not for `m3stack --help`
@@ -97,6 +98,9 @@ def stop_on_signals() -> Iterator[None]:
     the minutes of startup too; restores the previous handlers on exit."""
 
     def request_stop(signum: int, _frame: FrameType | None) -> None:
+        if processes.start_in_progress():  # a child is being started: stop once it is recorded, so it is stopped
+            processes.defer_until_started(lambda: request_stop(signum, None))
+            return
         raise StopSignal(signal.Signals(signum).name)
 
     previous = {sig: signal.signal(sig, request_stop) for sig in (signal.SIGINT, signal.SIGTERM)}

@@ -10,13 +10,43 @@ import sys
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
 logger = logging.getLogger(__name__)
 
 POLL_INTERVAL_S = 0.2
+
+# Starting a child and recording it must not be split by a stop: a stop signal handled in between would leave a
+# running child that nothing stops.  The signal handler (``local.cli.stop_on_signals``) asks
+# ``start_in_progress()`` and, while a start runs, hands its stop to ``defer_until_started``; the start runs it
+# as soon as the child is recorded.  Main thread only, as signal handlers are.
+_starts_in_progress = 0
+_deferred_stops: list[Callable[[], None]] = []
+
+
+def start_in_progress() -> bool:
+    return _starts_in_progress > 0
+
+
+def defer_until_started(stop: Callable[[], None]) -> None:
+    _deferred_stops.append(stop)
+
+
+@contextlib.contextmanager
+def _recorded_start() -> Iterator[None]:
+    global _starts_in_progress
+    _starts_in_progress += 1
+    try:
+        yield
+    finally:
+        _starts_in_progress -= 1
+        if not _starts_in_progress and _deferred_stops:
+            stops = list(_deferred_stops)
+            _deferred_stops.clear()
+            for stop in stops:
+                stop()  # raises the handler's exception, now that the child is recorded
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -69,18 +99,20 @@ class ProcessGroup:
 
     def start(self, name: str, subcommand_args: list[str], env: dict[str, str] | None = None) -> ChildProcess:
         argv = [sys.executable, "-m", "m3stack", *subcommand_args]
-        child = ChildProcess(name, argv, self.log_dir / f"{name}.log", self._spawn(argv, name, env or {}), env or {})
-        self.children.append(child)
+        with _recorded_start():
+            popen = self._spawn(argv, name, env or {})
+            child = ChildProcess(name, argv, self.log_dir / f"{name}.log", popen, env or {})
+            self.children.append(child)
         return child
 
     def restart(self, child: ChildProcess) -> ChildProcess:
         """Start ``child``'s command again (same ports, same log file, appended) once it has exited."""
         if child.returncode is None:
             raise RuntimeError(f"{child.name} (pid {child.pid}) is still running; stop it before restarting it")
-        fresh = ChildProcess(
-            child.name, child.argv, child.log_path, self._spawn(child.argv, child.name, child.env), child.env
-        )
-        self.children = [fresh if c is child else c for c in self.children]
+        with _recorded_start():
+            popen = self._spawn(child.argv, child.name, child.env)
+            fresh = ChildProcess(child.name, child.argv, child.log_path, popen, child.env)
+            self.children = [fresh if c is child else c for c in self.children]
         return fresh
 
     def _spawn(self, argv: list[str], name: str, env: dict[str, str]) -> subprocess.Popen[bytes]:

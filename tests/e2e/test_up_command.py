@@ -75,20 +75,21 @@ class UpProcess:
                 return match
         raise AssertionError(f"no line matching {pattern!r} within {timeout_s}s:\n{self.output}")
 
-    def descendants(self) -> set[int]:
-        """Every process below ours (engines, gateway, its media workers), from /proc's parent links."""
-        parents = {}
+    def descendants(self) -> set[tuple[int, int]]:
+        """Every process below ours (engines, gateway, its media workers) as (pid, start time), from /proc's parent
+        links: with the start time a pid the system hands to another process later is not taken for ours."""
+        stats = {}
         for entry in Path("/proc").iterdir():
             if entry.name.isdigit():
                 try:
-                    parents[int(entry.name)] = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+                    stats[int(entry.name)] = _stat_fields(int(entry.name))
                 except (OSError, IndexError, ValueError):
                     continue
         found, frontier = set(), {self.popen.pid}
         while frontier:
-            frontier = {pid for pid, parent in parents.items() if parent in frontier} - found
+            frontier = {pid for pid, fields in stats.items() if int(fields[1]) in frontier} - found
             found |= frontier
-        return found
+        return {(pid, int(stats[pid][_START_TIME])) for pid in found}
 
     def ctrl_c(self) -> None:
         os.killpg(self.popen.pid, signal.SIGINT)
@@ -98,18 +99,37 @@ class UpProcess:
 
     def close(self) -> None:
         """Kill what is left (after a failed test): ``up`` and its children, which have sessions of their own."""
-        for pid in self.descendants() | ({self.popen.pid} if self.popen.poll() is None else set()):
+        pids = {pid for pid, _ in self.descendants()} | ({self.popen.pid} if self.popen.poll() is None else set())
+        for pid in pids:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
         self.popen.wait(30)
 
 
-def alive(pid: int) -> bool:
-    """Running (not gone, not a zombie waiting for a parent that does not reap)."""
+_START_TIME = 19  # /proc/PID/stat's starttime (field 22) among the fields after the command name
+
+
+def _stat_fields(pid: int) -> list[str]:
+    """The fields of /proc/PID/stat after the command name: state, parent pid, ..."""
+    return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+
+
+def _command_line(pid: int) -> str:
     try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")[:300]
+    except OSError:
+        return "?"
+
+
+def alive(process: tuple[int, int]) -> bool:
+    """The process (pid, start time) still running: not gone, not a zombie waiting for a parent that does not
+    reap, and its pid not reused by a newer process (pids wrap at 32768 here, quickly on a busy CI run)."""
+    pid, start_time = process
+    try:
+        fields = _stat_fields(pid)
     except OSError:
         return False
+    return fields[0] != "Z" and int(fields[_START_TIME]) == start_time
 
 
 @pytest.fixture
@@ -140,7 +160,7 @@ def test_up_serves_the_printed_examples_until_ctrl_c_stops_every_process(tiny_mo
         assert up.wait(120) == 0, up.output
     finally:
         up.close()
-    poll_until(lambda: not any(alive(pid) for pid in children), 60, "every child of m3stack up to exit")
+    poll_until(lambda: not any(map(alive, children)), 60, "every child of m3stack up to exit")
     assert "stopped" in up.output
 
 
@@ -167,7 +187,11 @@ def test_ctrl_c_while_starting_stops_the_engines(tiny_model_dir, log_dir):
     assert "m3stack is serving" not in up.output
     # `up` has reaped the engines; their own helpers (e.g. multiprocessing's resource tracker) follow
     # once their parent is gone, which takes a moment on a loaded machine.
-    poll_until(lambda: not any(alive(pid) for pid in children), 60, "the engines and their helpers to exit")
+    try:
+        poll_until(lambda: not any(map(alive, children)), 60, "the engines and their helpers to exit")
+    except AssertionError as error:
+        left = [(pid, _command_line(pid)) for pid, start in children if alive((pid, start))]
+        raise AssertionError(f"{error}: still running {left}") from None
 
 
 def test_a_port_in_use_ends_up_before_any_engine_starts(tiny_model_dir, log_dir):
