@@ -66,6 +66,10 @@ class ScanConfig:
 # Columns of the scan's MMA: at least 16 (tensor-core minimum); (tokens x index heads) beyond
 # this many per request go to the prefill path instead.
 MAX_DECODE_COLUMNS = 64
+# Fewest columns the lists and the merge are laid out for.  At 2 (a tensor-parallel rank's 2 index heads x 1 decode
+# token) the merge faults with an illegal address on the H200 (a one-GPU repro of the TP=2 engine's fault,
+# 2026-12-01; 4 and 16 run clean); the padding columns belong to no token and are never stored.
+_MIN_MERGE_COLUMNS = 4
 # Int64 keys a merge program ranks at once (heads of all splits x its columns): 16 per thread at
 # 4 warps.  More columns than fit are merged in a second launch.
 _MERGE_TILE = 2048
@@ -355,7 +359,7 @@ class _MergeShape:
 
 def _merge_shape(plan: SparseDecodePlan) -> _MergeShape:
     shape = plan.shape
-    columns = triton.next_power_of_2(max(shape.num_kv_heads * plan.max_query_len, 1))
+    columns = triton.next_power_of_2(max(shape.num_kv_heads * plan.max_query_len, _MIN_MERGE_COLUMNS))
     splits_padded = triton.next_power_of_2(plan.scan_splits)
     per_program = max(1, min(columns, _MERGE_TILE // splits_padded))
     return _MergeShape(columns, triton.next_power_of_2(max(shape.topk - shape.local_blocks, 1)), splits_padded,

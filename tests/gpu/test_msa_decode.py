@@ -17,7 +17,7 @@ from m3stack.engine.attention.reference import ReferenceAttentionBackend
 from m3stack.engine.kv_cache.tensors import KVCacheSpec, LayerKVCache, allocate_kv_cache
 from m3stack.engine.msa import reference
 from m3stack.engine.msa.decode_attention import FlashInferSparseDecode, sparse_decode_attention
-from m3stack.engine.msa.decode_index import MAX_DECODE_COLUMNS, ScanConfig, decode_index_topk
+from m3stack.engine.msa.decode_index import MAX_DECODE_COLUMNS, NewKeys, ScanConfig, decode_index_topk
 from m3stack.engine.msa.decode_plan import SparseDecodePlan, SparseDecodeShape, plan_sparse_decode
 from tests.engine.attention.step_support import step_metadata
 from tests.engine.msa.prefill_support import PagedBatch, assert_selection_matches, paged_batch
@@ -66,8 +66,13 @@ def check_attention(paged: PagedBatch, q: torch.Tensor, selected: torch.Tensor, 
 
 @pytest.mark.parametrize(
     ("config", "splits"),
-    [(ScanConfig(), None), (ScanConfig(2, 8, 3), 7), (ScanConfig(1, 8, 4), 512),
-     (ScanConfig(page_ids_ahead=True), None), (ScanConfig(1, 4, 4, page_ids_ahead=True), 5)],
+    [
+        (ScanConfig(), None),
+        (ScanConfig(2, 8, 3), 7),
+        (ScanConfig(1, 8, 4), 512),
+        (ScanConfig(page_ids_ahead=True), None),
+        (ScanConfig(1, 4, 4, page_ids_ahead=True), 5),
+    ],
     ids=["default", "two-pages-7-splits", "8-warps-512-splits", "page-ids-ahead", "page-ids-ahead-4-stages"],
 )
 def test_index_selection_and_page_ids(batch, config: ScanConfig, splits: int | None) -> None:
@@ -86,6 +91,42 @@ def test_index_selection_and_page_ids(batch, config: ScanConfig, splits: int | N
             blocks = selected[head, token][selected[head, token] >= 0].long()
             want = metadata.page_table[token_request[token], blocks] * SHAPE.num_kv_heads + head
             assert torch.equal(pages, want)
+
+
+@pytest.mark.parametrize("index_heads", [1, 2])
+def test_index_selection_with_a_tensor_parallel_ranks_few_heads(index_heads: int) -> None:
+    """A rank of a TP=2 (TP=4) engine at M3 dims holds 2 (1) KV heads, so a decode request has 2 (1) index columns:
+    the merge faulted with an illegal address there (the 2x H200 run of 2026-12-01) until its columns were
+    padded.  Single-token requests only (the engine's pure decode steps), with the scan storing the new keys."""
+    shape = dataclasses.replace(SHAPE, num_q_heads=16 * index_heads, num_kv_heads=index_heads)
+    generator = torch.Generator().manual_seed(5)
+    requests = [(1, 1), (129, 1), (449, 1), (5000, 1), (70001, 1)]
+    paged = paged_batch(requests, num_kv_heads=index_heads, head_dim=shape.head_dim,
+                        index_dim=shape.index_head_dim, block_size=shape.block_size, dtype=torch.bfloat16,
+                        device="cuda", generator=generator)  # fmt: skip
+    metadata = paged.metadata
+    index_q = torch.randn(metadata.num_tokens, index_heads, shape.index_head_dim, generator=generator)
+    index_q = index_q.to("cuda", torch.bfloat16)
+    tokens = metadata.num_tokens
+    kv_dims = (index_heads, shape.head_dim)
+    new = [torch.randn(tokens, *dims, generator=generator).to("cuda", torch.bfloat16)
+           for dims in (kv_dims, kv_dims, (shape.index_head_dim,))]  # fmt: skip
+    cache = LayerKVCache(paged.key_cache, paged.value_cache, paged.index_key_cache)
+    plan = plan_sparse_decode(metadata, shape, torch.device("cuda"))
+    selected = decode_index_topk(index_q, paged.index_key_cache, metadata, plan,
+                                 new_keys=NewKeys(cache, metadata.slot_mapping, *new))  # fmt: skip
+    torch.cuda.synchronize()
+    # The stored token sits in its request's last (local) block: the selection is the reference's over the keys as
+    # they are now, which the batch's per-request copies give once the new index keys are put in them.
+    for request, (start, stop) in enumerate(paged.token_ranges):
+        positions = paged.request_positions(request)
+        keys = paged.index_keys[request].clone()
+        keys[positions] = new[2][start:stop]
+        expected = reference.index_block_topk(index_q[start:stop], keys, positions, shape.block_size, shape.topk,
+                                              shape.local_blocks)  # fmt: skip
+        scores = reference.block_scores(index_q[start:stop], keys, positions, shape.block_size)
+        assert_selection_matches(selected[:, start:stop], expected, scores, shape.local_blocks, SCORE_TOLERANCE)
+    assert torch.equal(paged.index_key_cache.view(-1, shape.index_head_dim)[metadata.slot_mapping], new[2])
 
 
 def planned_flashinfer(plan: SparseDecodePlan) -> FlashInferSparseDecode:

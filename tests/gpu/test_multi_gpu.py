@@ -6,7 +6,8 @@
   worker loop; rank 0 drives it through the engine's ``LeaderModel``.
 * bfloat16, the real engine (``build_engine_core``, GPU attention backend: Triton MSA + FlashInfer with 32
   query and 2 KV heads per rank), M3 attention dims: TP=2 greedy tokens equal TP=1's up to the first step
-  where TP=1's own top two candidates are within bf16 noise (0.05 in logprob); a difference anywhere else fails.
+  where TP=2 picks a token TP=1 ranked within bf16 noise of its best (0.05 in logprob; on random weights over a
+  200K vocabulary several tokens can sit that close); a difference anywhere else fails.
   Both MoE layouts.
 
 Needs 2 GPUs; fails, never skips, with fewer.
@@ -39,6 +40,7 @@ NUM_TOKENS = 32
 NUM_PAGES = 128
 PROMPT_SEED = 12  # as tests/gpu/test_model_bf16.py
 NEAR_TIE = 0.05  # logprob gap within which bf16 rounding may pick either token
+TIE_CANDIDATES = 8  # TP=1's top logprobs kept per step, to find TP=2's pick among them
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -128,7 +130,7 @@ def test_float32_two_ranks_equal_one_rank():
 
 def _engine_greedy(config: EngineConfig) -> dict[str, tuple[list[int], list[tuple[list[int], list[float]]]]]:
     core = build_engine_core(config)
-    sampling = SamplingParams(temperature=0.0, max_new_tokens=NUM_TOKENS, ignore_eos=True, top_logprobs=2)
+    sampling = SamplingParams(temperature=0.0, max_new_tokens=NUM_TOKENS, ignore_eos=True, top_logprobs=TIE_CANDIDATES)
     generator = torch.Generator().manual_seed(3)
     results: dict = {}
     try:
@@ -175,6 +177,7 @@ def _check_two_ranks_agree(tmp_path_factory, expert_parallel: bool, attention: s
         assert len(tokens) == NUM_TOKENS
         other = double[request_id][0]
         first = next((i for i, (a, b) in enumerate(zip(tokens, other, strict=True)) if a != b), None)
-        if first is not None:  # only a near tie of TP=1's own top two may go the other way
+        if first is not None:  # only a token within bf16 noise of TP=1's best may go the other way
             ids, logprobs = tops[first]
-            assert other[first] in ids and logprobs[0] - logprobs[1] < NEAR_TIE, (request_id, first, tops[first])
+            near = [token for token, logprob in zip(ids, logprobs, strict=True) if logprobs[0] - logprob < NEAR_TIE]
+            assert other[first] in near, (request_id, first, other[first], tops[first])

@@ -23,17 +23,17 @@ REQUESTS = [(250, 1), (37, 1), (16, 1), (130, 3), (96, 2), (9, 1), (177, 4)]
 
 
 def make_batch(
-    dtype: torch.dtype, seed: int, requests: list[tuple[int, int]] = REQUESTS
+    dtype: torch.dtype, seed: int, requests: list[tuple[int, int]] = REQUESTS, heads: int = HKV
 ) -> tuple[PagedBatch, torch.Tensor]:
     generator = torch.Generator().manual_seed(seed)
-    batch = paged_batch(requests, num_kv_heads=HKV, head_dim=16, index_dim=INDEX_DIM, block_size=BLOCK,
+    batch = paged_batch(requests, num_kv_heads=heads, head_dim=16, index_dim=INDEX_DIM, block_size=BLOCK,
                         dtype=dtype, device="cpu", generator=generator)  # fmt: skip
-    index_q = torch.randn(batch.metadata.num_tokens, HKV, INDEX_DIM, generator=generator).to(dtype)
+    index_q = torch.randn(batch.metadata.num_tokens, heads, INDEX_DIM, generator=generator).to(dtype)
     return batch, index_q
 
 
-def shape_for(topk: int, local_blocks: int) -> SparseDecodeShape:
-    return SparseDecodeShape(num_q_heads=2 * HKV, num_kv_heads=HKV, head_dim=16, index_head_dim=INDEX_DIM,
+def shape_for(topk: int, local_blocks: int, heads: int = HKV) -> SparseDecodeShape:
+    return SparseDecodeShape(num_q_heads=2 * heads, num_kv_heads=heads, head_dim=16, index_head_dim=INDEX_DIM,
                              block_size=BLOCK, topk=topk, local_blocks=local_blocks)  # fmt: skip
 
 
@@ -43,7 +43,8 @@ def check_against_reference(batch: PagedBatch, index_q: torch.Tensor, shape: Spa
     plan = plan_sparse_decode(metadata, shape, torch.device("cpu"), scan_splits=splits)
     plan.page_ids.fill_(-7)  # poison: every entry must be written
     selected = decode_index_topk(index_q, batch.index_key_cache, metadata, plan, config)
-    assert selected.dtype == torch.int32 and selected.shape == (HKV, metadata.num_tokens, shape.topk)
+    heads = shape.num_kv_heads
+    assert selected.dtype == torch.int32 and selected.shape == (heads, metadata.num_tokens, shape.topk)
     tolerance = 0.0 if index_q.dtype == torch.float32 else 1e-5
     for request, (start, stop) in enumerate(batch.token_ranges):
         positions = batch.request_positions(request)
@@ -56,11 +57,11 @@ def check_against_reference(batch: PagedBatch, index_q: torch.Tensor, shape: Spa
     assert not (plan.page_ids == -7).any()
     for token in range(metadata.num_tokens):
         request = int(plan.token_request[token])
-        for head in range(HKV):
-            row = token * HKV + head
+        for head in range(heads):
+            row = token * heads + head
             pages = plan.page_ids[plan.row_indptr[row] : plan.row_indptr[row + 1]]
             blocks = selected[head, token][selected[head, token] >= 0].long()
-            assert torch.equal(pages, metadata.page_table[request, blocks] * HKV + head)
+            assert torch.equal(pages, metadata.page_table[request, blocks] * heads + head)
             assert int(plan.last_page_len[row]) == int(metadata.positions[token]) % BLOCK + 1
 
 
@@ -69,6 +70,14 @@ def check_against_reference(batch: PagedBatch, index_q: torch.Tensor, shape: Spa
 def test_selection_and_page_ids_match_reference(dtype: torch.dtype, splits: int | None) -> None:
     batch, index_q = make_batch(dtype, seed=11 + (splits or 0))
     check_against_reference(batch, index_q, shape_for(topk=4, local_blocks=1), splits)
+
+
+@pytest.mark.parametrize("heads", [1, 2])
+def test_single_token_requests_of_a_tensor_parallel_rank(heads: int) -> None:
+    """A TP rank's 1 or 2 index heads give a decode request fewer columns than the merge's minimum: the padding
+    columns must neither change the selection nor write anything (the page ids are poisoned beforehand)."""
+    batch, index_q = make_batch(torch.float32, seed=17, requests=[(250, 1), (37, 1), (16, 1), (9, 1)], heads=heads)
+    check_against_reference(batch, index_q, shape_for(topk=4, local_blocks=1, heads=heads), splits=2)
 
 
 @pytest.mark.parametrize("page_ids_ahead", [False, True], ids=["page-ids-in-step", "page-ids-ahead"])
