@@ -147,25 +147,9 @@ class GpuAttentionBackend:
         self._decode_slots: OrderedDict[int, _DecodeSlot] = OrderedDict()
         self._metadata: AttentionMetadata | None = None
         self._step: _StepPlan | None = None
-        self._cuda_index = self.device.index if self.device.type == "cuda" else None
-        self._device_switch_seen = False
         logger.info("GPU attention backend on %s (FlashInfer: %s)", self.device, self.use_flashinfer)
 
-    def _keep_current_device(self) -> None:
-        """Triton launches on the current CUDA device, not on its tensors': should a library call have
-        switched the current device (on a rank other than GPU 0), switch it back, so the kernels do not go to
-        another GPU with pointers into this one (the 2x H200 run of 2026-12-01 faulted on rank 1 in the index
-        scan; whether this was the cause is not yet known, hence the warning)."""
-        if self._cuda_index is None or torch.cuda.current_device() == self._cuda_index:
-            return
-        if not self._device_switch_seen:
-            self._device_switch_seen = True
-            logger.warning("the current CUDA device was %d, not the attention backend's %d: switched back",
-                           torch.cuda.current_device(), self._cuda_index)  # fmt: skip
-        torch.cuda.set_device(self._cuda_index)
-
     def begin_step(self, metadata: AttentionMetadata) -> None:
-        self._keep_current_device()
         block_size = self.kv_caches[0].key.shape[2]
         if metadata.block_size != block_size:
             raise ValueError(f"metadata block_size {metadata.block_size} != cache page size {block_size}")
@@ -241,7 +225,6 @@ class GpuAttentionBackend:
 
     def _begin_layer(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, index_k: torch.Tensor | None,
                      store: bool = True) -> tuple[AttentionMetadata, _StepPlan, LayerKVCache]:  # fmt: skip
-        self._keep_current_device()
         metadata = self._metadata
         if metadata is None:
             raise RuntimeError("begin_step(metadata) must be called before the first layer")
