@@ -4,11 +4,16 @@ A message is a fixed-size header broadcast over the control group (gloo, host me
 on a socket, not on a GPU collective that would time out while the engine is idle), then its tensors over the
 default group (NCCL on GPUs), sent straight from rank 0's device buffers with no host round trip::
 
-    FORWARD  [T, R, P, M, block_size]  ints [3T + 2R + 1 + R*P + M] (ids, positions, slots, query starts,
-                                       context lengths, page table, vision rows), then vision embeddings [M, H]
+    FORWARD  [T, R, P, M, block_size]  host ints [2R + 1] over gloo (query starts, context lengths: what the
+                                       attention backend plans from), then device ints [3T + 2R + 1 + R*P + M]
+                                       (ids, positions, slots, query starts, context lengths, page table, vision
+                                       rows), then vision embeddings [M, H]
     LOGITS   [n, H]                    the hidden rows whose logits are sampled [n, H]
     STOP     []                        the engine is shutting down
 
+The host copies travel over gloo so that a worker never waits for its device: it plans and enqueues a step while
+the previous one still runs, as rank 0 does (reading them back from the device waited for rank 0's broadcast,
+which rank 0 enqueues behind its previous step, so a worker launched each step only after the last one ended).
 Rank 0's runner is unchanged: ``RecordingBackend`` remembers the step's ``AttentionMetadata`` at
 ``begin_step``, and ``LeaderModel`` sends each forward and logits call before running its own shard.  Inputs
 are sent after the runner has filled them on the device (async scheduling's placeholder tokens included), so
@@ -123,6 +128,8 @@ class LeaderModel:
             self.channel,
             [Op.FORWARD, input_ids.shape[0], md.seq_lens.shape[0], md.page_table.shape[1], num_rows, md.block_size],
         )
+        host = torch.cat([md.query_start_loc_cpu, md.seq_lens_cpu]).to(torch.int64)
+        dist.broadcast(host, src=0, group=self.channel.control)
         return self._run(lambda: self._forward(ints, input_ids, positions, attn, mm_positions, mm_embeds))
 
     def _forward(
@@ -170,6 +177,9 @@ class LeaderModel:
 
 def _receive_forward(header: list[int], model: ShardedM3, channel: Channel) -> tuple:
     num_tokens, num_requests, width, num_rows, block_size = header[1:6]
+    host = torch.empty(2 * num_requests + 1, dtype=torch.int64)
+    dist.broadcast(host, src=0, group=channel.control)
+    starts_cpu, seq_lens_cpu = host.to(torch.int32).split([num_requests + 1, num_requests])
     sizes = [num_tokens, num_tokens, num_tokens, num_requests + 1, num_requests, num_requests * width, num_rows]
     ints = torch.empty(sum(sizes), dtype=torch.int64, device=channel.device)
     dist.broadcast(ints, src=0)
@@ -182,8 +192,8 @@ def _receive_forward(header: list[int], model: ShardedM3, channel: Channel) -> t
         positions=positions,
         slot_mapping=slots,
         page_table=pages.to(torch.int32).view(num_requests, width),
-        query_start_loc_cpu=starts.cpu(),
-        seq_lens_cpu=seq_lens.cpu(),
+        query_start_loc_cpu=starts_cpu,
+        seq_lens_cpu=seq_lens_cpu,
     )
     embeds = None
     if num_rows:
