@@ -3,8 +3,9 @@
 The model has M3's attention dims (64 query heads, 4 KV heads, head dim 128, MSA blocks of 128, top-16) and
 few layers (default 4: one dense-attention layer, then MSA layers with 16-expert top-4 MoE MLPs), random bf16
 weights written once as a sharded safetensors checkpoint, so TP=2 runs the real per-rank slice loading.  Each
-engine is the real one (``build_engine_core``; TP=2 spawns the second rank), eager for both (decode CUDA
-graphs are not yet captured with several ranks), with a fixed 20 GiB KV cache per rank.
+engine is the real one (``build_engine_core``; TP=2 spawns the second rank), decode steps replaying CUDA graphs
+on every rank (``--eager`` for none; each decode row counts the steps that replayed), with a fixed 20 GiB KV cache
+per rank.
 
 * prefill: ``--prefill-requests`` prompts of ``--prefill-len`` tokens, one output token each; prompt tokens/s.
 * decode: ``concurrency`` requests with ``--context``-token prompts, prefilled, then ``--decode-steps`` steps
@@ -17,7 +18,7 @@ Keeps NCCL_NVLS_ENABLE=0, TORCH_SYMM_MEM_DISABLE_MULTICAST=1, NVSHMEM_DISABLE_NV
 Time-boxed by ``--budget-s`` (points left out once it is spent); always writes ``multi_gpu.json``; prints a
 markdown table last::
 
-    python -m bench.multi_gpu [--out DIR] [--layers 4] [--budget-s 200] [--expert-parallel]
+    python -m bench.multi_gpu [--out DIR] [--layers 4] [--budget-s 200] [--expert-parallel] [--eager]
 """
 
 import argparse
@@ -126,6 +127,7 @@ def measure_decode(core: EngineCore, concurrency: int, context: int, steps: int)
     while core.scheduler.waiting or any(r.num_output_tokens < 2 for r in core.scheduler.running):
         core.step()
     torch.cuda.synchronize()
+    graph_steps = core.runner.num_graph_steps
     start = time.perf_counter()
     produced = 0
     for _ in range(steps):
@@ -136,7 +138,8 @@ def measure_decode(core: EngineCore, concurrency: int, context: int, steps: int)
         core.abort_request(request_id, "benchmark done")
     _drain(core)
     return {"phase": "decode", "concurrency": concurrency, "tokens": produced, "seconds": seconds,
-            "tokens_per_s": produced / seconds, "ms_per_step": seconds / steps * 1e3}  # fmt: skip
+            "tokens_per_s": produced / seconds, "ms_per_step": seconds / steps * 1e3,
+            "graph_steps": core.runner.num_graph_steps - graph_steps}  # fmt: skip
 
 
 def run_engine(checkpoint: Path, tp: int, args: argparse.Namespace, deadline: float) -> tuple[list[dict], list[int]]:
@@ -144,7 +147,7 @@ def run_engine(checkpoint: Path, tp: int, args: argparse.Namespace, deadline: fl
     max_len = max(args.context, args.prefill_len) + args.decode_steps + 64
     config = EngineConfig(model=str(checkpoint), device="cuda", dtype="bfloat16", max_num_seqs=max(CONCURRENCIES),
                           max_num_batched_tokens=8192, max_model_len=max_len, kv_cache_gb=KV_CACHE_GB,
-                          cuda_graphs=False, parallel=parallel)  # fmt: skip
+                          cuda_graphs=not args.eager, parallel=parallel)  # fmt: skip
     core = build_engine_core(config)
     rows: list[dict] = []
     try:
@@ -191,6 +194,7 @@ def main() -> int:
     parser.add_argument("--prefill-len", type=int, default=4096)
     parser.add_argument("--prefill-requests", type=int, default=16)
     parser.add_argument("--budget-s", type=float, default=200.0, help="stop starting new points after this")
+    parser.add_argument("--eager", action="store_true", help="no decode CUDA graphs on any rank")
     parser.add_argument("--checkpoint", type=Path, default=Path("/tmp/m3stack-bench-m3dims"))
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
@@ -200,7 +204,7 @@ def main() -> int:
         "model": f"random bf16 weights, M3 attention dims, {args.layers} layers, "
         f"{'dense' if args.dense else '16-expert top-4 MoE'} MLPs",
         "moe_layout": "expert-parallel" if args.expert_parallel else "tensor-parallel experts",
-        "cuda_graphs": False,
+        "cuda_graphs": not args.eager,
         "env": MULTICAST_OFF_ENV,
     }
     try:

@@ -34,6 +34,7 @@ from m3stack.engine.kv_cache.tensors import KVCacheSpec, allocate_kv_cache
 from m3stack.engine.model.config import load_config
 from m3stack.engine.runtime.builder import (
     CPU_DEFAULT_KV_GB,
+    RankZero,
     assemble_engine_core,
     make_attention_backend,
     resolve_dtype,
@@ -255,8 +256,12 @@ def build_parallel_engine_core(config: EngineConfig) -> EngineCore:
             process.kill()
         raise
     leader = LeaderModel(state.model, state.channel)
-    # Decode graphs would capture rank 0 alone; the agreed block count replaces the builder's own sizing.
-    engine_config = replace(config, cuda_graphs=False, num_kv_blocks=state.num_blocks - 1)
+    # Expert parallelism gathers each rank's routed tokens on the host (a sync per MoE layer): no decode graphs.
+    graphs = config.cuda_graphs and not parallel.expert_parallel
+    if config.cuda_graphs and not graphs:
+        logger.info("expert-parallel MoE synchronizes with the host every layer: decode steps run eagerly")
+    # The agreed block count replaces the builder's own sizing.
+    engine_config = replace(config, cuda_graphs=graphs, num_kv_blocks=state.num_blocks - 1)
     core = assemble_engine_core(
         engine_config,
         leader,
@@ -264,7 +269,7 @@ def build_parallel_engine_core(config: EngineConfig) -> EngineCore:
         model_path=str(model_folder(config.model)),  # type: ignore[arg-type]
         device=state.device,
         dtype=state.dtype,
-        backend_wrapper=RecordingBackend,
+        rank_zero=RankZero(backend_wrapper=RecordingBackend, shard=state.model, graph_peers=leader),
     )
     stop = _Stopper(leader, processes)
     _STOPPERS[id(core)] = stop

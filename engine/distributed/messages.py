@@ -9,6 +9,9 @@ default group (NCCL on GPUs), sent straight from rank 0's device buffers with no
                                        (ids, positions, slots, query starts, context lengths, page table, vision
                                        rows), then vision embeddings [M, H]
     LOGITS   [n, H]                    the hidden rows whose logits are sampled [n, H]
+    CAPTURE  [max_batch, max_len, B]   capture decode CUDA graphs of every padded size, in step with rank 0
+    REPLAY   [size]                    host context lengths [size] over gloo, then rank 0's staged decode buffers
+                                       (``PaddedDecodeBuffers.step_blocks``): plan them, replay the graph of size
     STOP     []                        the engine is shutting down
 
 The host copies travel over gloo so that a worker never waits for its device: it plans and enqueues a step while
@@ -33,6 +36,7 @@ from m3stack.engine.attention.metadata import AttentionMetadata
 from m3stack.engine.distributed.model import ShardedM3
 from m3stack.engine.kv_cache.tensors import KVCacheSpec
 from m3stack.engine.model.vision import Modality
+from m3stack.engine.runtime.cuda_graphs import DecodeGraphs, PaddedDecodeBuffers
 
 logger = logging.getLogger(__name__)
 
@@ -43,6 +47,8 @@ class Op(enum.IntEnum):
     FORWARD = 1
     LOGITS = 2
     STOP = 3
+    CAPTURE = 4
+    REPLAY = 5
 
 
 @dataclass(frozen=True)
@@ -66,6 +72,10 @@ class RecordingBackend:
     def __init__(self, inner: AttentionBackend) -> None:
         self.inner = inner
         self.metadata: AttentionMetadata | None = None
+
+    @property
+    def supports_cuda_graphs(self) -> bool:
+        return bool(getattr(self.inner, "supports_cuda_graphs", False))
 
     def begin_step(self, metadata: AttentionMetadata) -> None:
         self.metadata = metadata
@@ -157,6 +167,20 @@ class LeaderModel:
         dist.broadcast(hidden, src=0)
         return self.model.compute_logits(hidden)
 
+    # GraphPeers: rank 0's decode graphs capture ``self.model`` (this rank's shard) in step with the workers'.
+    def begin_capture(self, graphs: DecodeGraphs) -> None:
+        self._check()
+        buffers = graphs.buffers
+        _header(self.channel, [Op.CAPTURE, buffers.max_batch, graphs.max_model_len, buffers.block_size])
+
+    def agree(self, captured: bool) -> bool:
+        return _all_captured(self.channel, captured)
+
+    def send_replay(self, size: int, buffers: PaddedDecodeBuffers) -> None:
+        self._check()
+        _header(self.channel, [Op.REPLAY, size])
+        self._run(lambda: exchange_step(self.channel, size, buffers))
+
     def stop_workers(self) -> None:
         """Tell every worker to leave its loop (the engine is shutting down)."""
         if self.failure is None:
@@ -202,22 +226,87 @@ def _receive_forward(header: list[int], model: ShardedM3, channel: Channel) -> t
     return metadata, ids, positions, (rows if num_rows else None), embeds
 
 
+def _all_captured(channel: Channel, captured: bool) -> bool:
+    flag = torch.tensor([int(captured)], dtype=torch.int64)
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=channel.control)
+    return bool(flag.item())
+
+
+def exchange_step(channel: Channel, size: int, buffers: PaddedDecodeBuffers) -> None:
+    """Rank 0's staged decode step into every rank's buffers (the same layout on all of them)."""
+    dist.broadcast(buffers.host_seq_lens(size), src=0, group=channel.control)
+    for block in buffers.step_blocks(size):
+        dist.broadcast(block, src=0)
+
+
+class WorkerGraphPeers:
+    """A worker's side of ``GraphPeers``: rank 0 starts captures and replays by message."""
+
+    def __init__(self, channel: Channel) -> None:
+        self.channel = channel
+
+    def begin_capture(self, graphs: DecodeGraphs) -> None:
+        """Rank 0's CAPTURE message started this capture."""
+
+    def agree(self, captured: bool) -> bool:
+        return _all_captured(self.channel, captured)
+
+    def send_replay(self, size: int, buffers: PaddedDecodeBuffers) -> None:
+        raise RuntimeError("only rank 0 starts a replay")
+
+
+class _Planner:
+    """Plans a worker's steps.  The attention backend plans from pinned host buffers it reuses, copied up
+    asynchronously, so before it plans a step the device must have taken the previous step's copies (rank 0's runner
+    waits the same way): a worker never waits for its device otherwise, and would overwrite them in flight."""
+
+    def __init__(self, backend: AttentionBackend, device: torch.device) -> None:
+        self.backend = backend
+        self.device = device
+        self._copied: torch.cuda.Event | None = None
+
+    def plan(self, metadata: AttentionMetadata) -> None:
+        if self._copied is not None:
+            self._copied.synchronize()
+        self.backend.begin_step(metadata)
+        if self.device.type == "cuda":
+            self._copied = torch.cuda.Event()
+            self._copied.record()
+
+
 @torch.inference_mode()
 def serve_steps(model: ShardedM3, backend: AttentionBackend, channel: Channel) -> int:
-    """A worker's loop: replay rank 0's calls until STOP; returns the number of forwards run."""
+    """A worker's loop: replay rank 0's calls until STOP; returns the number of forwards run (graphs included)."""
     forwards = 0
+    planner = _Planner(backend, channel.device)
+    graphs: DecodeGraphs | None = None
     while True:
         header = _header(channel)
         op = header[0]
         if op == Op.FORWARD:
             metadata, ids, positions, rows, embeds = _receive_forward(header, model, channel)
-            backend.begin_step(metadata)
+            planner.plan(metadata)
             model.forward(ids, positions, backend, rows, embeds)
             forwards += 1
         elif op == Op.LOGITS:
             hidden = torch.empty((header[1], header[2]), dtype=model.dtype, device=channel.device)
             dist.broadcast(hidden, src=0)
             model.compute_logits(hidden)
+        elif op == Op.CAPTURE:
+            if not getattr(backend, "supports_cuda_graphs", False):  # rank 0's backend does: the ranks disagree
+                raise RuntimeError(f"{type(backend).__name__} cannot be captured in CUDA graphs, rank 0's can")
+            max_batch, max_model_len, block_size = header[1:4]
+            graphs = DecodeGraphs(model, backend, channel.device, block_size=block_size, max_batch=max_batch,
+                                  max_model_len=max_model_len, peers=WorkerGraphPeers(channel))  # fmt: skip
+            graphs.capture()
+        elif op == Op.REPLAY:
+            if graphs is None or not graphs.captured:
+                raise RuntimeError("rank 0 replays a decode graph this rank did not capture")
+            size = header[1]
+            exchange_step(channel, size, graphs.buffers)
+            planner.plan(graphs.buffers.metadata(size))
+            graphs.replay_planned(size)
+            forwards += 1
         elif op == Op.STOP:
             logger.info("rank %d stops after %d forwards", dist.get_rank(), forwards)
             return forwards

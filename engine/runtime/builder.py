@@ -9,6 +9,7 @@ peak.  On cpu it takes ``kv_cache_gb`` (1 GiB by default).
 
 import logging
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -26,7 +27,7 @@ from m3stack.engine.offload.assembly import OffloadSettings, build_offload, offl
 from m3stack.engine.offload.device import DeviceOffload
 from m3stack.engine.offload.layout import TierSizes
 from m3stack.engine.runtime.config import EngineConfig, ModelInfo, model_folder
-from m3stack.engine.runtime.cuda_graphs import DecodeGraphs
+from m3stack.engine.runtime.cuda_graphs import DecodeGraphs, GraphPeers
 from m3stack.engine.runtime.encoder_cache import EncoderCache
 from m3stack.engine.runtime.engine_core import EngineCore
 from m3stack.engine.runtime.kv_cache_manager import KVCacheManager
@@ -95,6 +96,15 @@ def make_attention_backend(
     return DenseOnlyAttention(backend) if mode == "dense" else backend
 
 
+@dataclass(frozen=True)
+class RankZero:
+    """A parallel engine's first rank: its model sends each call to the workers before running its own shard."""
+
+    backend_wrapper: Callable[[AttentionBackend], AttentionBackend]  # records each step's metadata for the workers
+    shard: M3ForServing  # this rank's own model: what its decode graphs capture (messages cannot be captured)
+    graph_peers: GraphPeers  # the workers, which capture and replay their graphs in step
+
+
 def build_engine_core(config: EngineConfig) -> EngineCore:
     """Load ``config.model`` and assemble the engine around it."""
     if config.parallel.is_parallel:  # one process per GPU: engine.distributed starts them and shards the model
@@ -120,14 +130,13 @@ def assemble_engine_core(
     model_path: str,
     device: torch.device,
     dtype: torch.dtype,
-    backend_wrapper: Callable[[AttentionBackend], AttentionBackend] | None = None,
+    rank_zero: RankZero | None = None,
 ) -> EngineCore:
     """Size and allocate the KV cache for a loaded model, then build the scheduler, runner and core around it.
 
-    ``backend_wrapper`` wraps the attention backend the runner gets (the parallel engine records each step's
-    metadata for its workers there).
+    ``rank_zero``: what a parallel engine's first rank assembles differently (``engine.distributed``).
     """
-    parts = _Parts(config, model, m3, model_path, device, dtype, backend_wrapper)
+    parts = _Parts(config, model, m3, model_path, device, dtype, rank_zero)
     num_blocks = _num_kv_blocks(config, parts.spec, device, parts)
     block_size = parts.spec.block_size
     capacity = (num_blocks - 1) * block_size
@@ -170,8 +179,8 @@ class _Parts:
 
     def __init__(self, config: EngineConfig, model: M3ForServing, m3: M3Config, model_path: str,
                  device: torch.device, dtype: torch.dtype,
-                 backend_wrapper: Callable[[AttentionBackend], AttentionBackend] | None = None) -> None:  # fmt: skip
-        self.backend_wrapper = backend_wrapper
+                 rank_zero: RankZero | None = None) -> None:  # fmt: skip
+        self.rank_zero = rank_zero
         self.config = config
         self.model = model
         self.m3 = m3
@@ -202,8 +211,8 @@ class _Parts:
             kv_manager = KVCacheManager(num_blocks, block_size, config.enable_prefix_caching)
         device_offload = offload.device if offload is not None else None
         backend = make_attention_backend(kv_caches, self.m3, self.device, mode=config.attention, offload=device_offload)
-        if self.backend_wrapper is not None:
-            backend = self.backend_wrapper(backend)
+        if self.rank_zero is not None:
+            backend = self.rank_zero.backend_wrapper(backend)
         info = _model_info(config, self.model_path, self.m3, max_model_len, block_size, num_blocks, self.dtype,
                            self.device)  # fmt: skip
         encoder_cache = EncoderCache(
@@ -222,8 +231,9 @@ class _Parts:
         )
         graphs = None
         if cuda_graphs:
-            graphs = DecodeGraphs(self.model, backend, self.device, block_size=block_size,
-                                  max_batch=config.max_num_seqs, max_model_len=max_model_len)  # fmt: skip
+            shard, peers = (self.rank_zero.shard, self.rank_zero.graph_peers) if self.rank_zero else (self.model, None)
+            graphs = DecodeGraphs(shard, backend, self.device, block_size=block_size, max_batch=config.max_num_seqs,
+                                  max_model_len=max_model_len, peers=peers)  # fmt: skip
         runner = ModelRunner(self.model, backend, encoder_cache, block_size=block_size,
                              vocab_size=self.m3.text.vocab_size, device=self.device, dtype=self.dtype,
                              decode_graphs=graphs, offload=device_offload)  # fmt: skip

@@ -12,9 +12,16 @@ The attention backend must say it can be captured (``supports_cuda_graphs = True
 one batch size, and launch grids that do not depend on the step's lengths.  The model's decode
 forward must not synchronize with the host (capture fails if it does).  Otherwise decode runs
 eagerly and a warning says why.
+
+A parallel engine's ranks capture and replay together (``GraphPeers``, rank 0's side in
+``engine.distributed.messages``): each rank holds the same padded buffers and captures its own shard's forward,
+collectives included, size by size in the same order; rank 0 keeps its graphs only if every rank captured all
+sizes.  A replay on rank 0 first hands the workers the staged step (its buffers' device blocks and host context
+lengths), and each worker plans it and replays its graph of that size, so the graphs' collectives meet.
 """
 
 import logging
+from typing import Protocol
 
 import torch
 
@@ -96,6 +103,13 @@ class PaddedDecodeBuffers:
         self._narrow[:used].copy_(self._narrow_host[:used], non_blocking=True)
         return self.metadata(size)
 
+    def step_blocks(self, size: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The device blocks that hold a staged step of ``size`` rows (what a parallel engine's workers receive)."""
+        return self._wide, self._narrow[: self.max_batch + size * self.max_pages]
+
+    def host_seq_lens(self, size: int) -> torch.Tensor:
+        return torch.from_numpy(self._seq_lens_host[:size])
+
     def metadata(self, size: int) -> AttentionMetadata:
         return AttentionMetadata(
             block_size=self.block_size,
@@ -109,6 +123,22 @@ class PaddedDecodeBuffers:
         )
 
 
+class GraphPeers(Protocol):
+    """The other ranks of a parallel engine, seen from one rank's ``DecodeGraphs``."""
+
+    def begin_capture(self, graphs: "DecodeGraphs") -> None:
+        """Rank 0: have every worker capture the same sizes now (a worker: nothing to do)."""
+        ...
+
+    def agree(self, captured: bool) -> bool:
+        """Whether every rank captured every size (each rank says whether it did)."""
+        ...
+
+    def send_replay(self, size: int, buffers: PaddedDecodeBuffers) -> None:
+        """Rank 0: hand the workers the staged step, which they replay with their graph of ``size``."""
+        ...
+
+
 class DecodeGraphs:
     def __init__(
         self,
@@ -119,12 +149,15 @@ class DecodeGraphs:
         block_size: int,
         max_batch: int,
         max_model_len: int,
+        peers: GraphPeers | None = None,
     ) -> None:
         self.model = model
         self.backend = backend
+        self.peers = peers
         self.buffers = PaddedDecodeBuffers(
             device, block_size=block_size, max_batch=max_batch, max_model_len=max_model_len
         )
+        self.max_model_len = max_model_len
         self.sizes = capture_sizes(max_batch)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.logits: dict[int, torch.Tensor] = {}
@@ -135,36 +168,54 @@ class DecodeGraphs:
 
     @torch.inference_mode()
     def capture(self) -> None:
-        """Capture every size; on any failure (e.g. a layer that synchronizes with the host) decode stays eager."""
+        """Capture every size; on any failure (e.g. a layer that synchronizes with the host, on any rank) decode
+        stays eager."""
         if not getattr(self.backend, "supports_cuda_graphs", False):
             logger.warning(
                 "%s does not declare supports_cuda_graphs: decode steps run eagerly", type(self.backend).__name__
             )
             return
-        try:
-            self._capture_all()
-        except RuntimeError as exc:
+        if self.peers is not None:
+            self.peers.begin_capture(self)
+        failure = self._capture_all()
+        captured = failure is None
+        if self.peers is not None:
+            captured = self.peers.agree(captured)
+        if not captured:
             self.graphs.clear()
             self.logits.clear()
             torch.cuda.synchronize()
-            logger.warning("CUDA graph capture failed, decode steps run eagerly: %s", exc)
+            logger.warning("CUDA graph capture failed, decode steps run eagerly: %s", failure or "on another rank")
             return
         logger.info("captured decode CUDA graphs for batch sizes %s", self.sizes)
 
-    def _capture_all(self) -> None:
+    def _capture_all(self) -> str | None:
+        """Capture each size, largest first; the first failure, if any.  With peers every size's eager warm-up
+        forward still runs after a failure: it holds collectives the other ranks are waiting in."""
         pool = torch.cuda.graph_pool_handle()
         stream = torch.cuda.Stream()
+        failure = None
         for size in reversed(self.sizes):  # largest first, so smaller graphs reuse its pool memory
             self.backend.begin_step(self.buffers.metadata(size))
             stream.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(stream):  # warm-up outside capture (allocator, autotuning, lazy init)
                 self._forward(size)
             torch.cuda.current_stream().wait_stream(stream)
+            if failure is not None:
+                continue
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
-                self.logits[size] = self._forward(size)
+            try:
+                with torch.cuda.graph(graph, pool=pool):
+                    self.logits[size] = self._forward(size)
+            except RuntimeError as exc:
+                failure = str(exc)
+                torch.cuda.synchronize()
+                if self.peers is None:
+                    return failure
+                continue
             self.graphs[size] = graph
         torch.cuda.synchronize()
+        return failure
 
     def _forward(self, size: int) -> torch.Tensor:
         buffers = self.buffers
@@ -181,5 +232,11 @@ class DecodeGraphs:
 
     def replay(self, size: int, num_requests: int) -> torch.Tensor:
         """Logits ``[num_requests, V]`` of the step staged by ``prepare``."""
+        if self.peers is not None:
+            self.peers.send_replay(size, self.buffers)
         self.graphs[size].replay()
         return self.logits[size][:num_requests]
+
+    def replay_planned(self, size: int) -> None:
+        """A worker: replay the step rank 0 put in this rank's buffers (``GraphPeers.send_replay``), planned."""
+        self.graphs[size].replay()

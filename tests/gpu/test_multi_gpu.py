@@ -129,6 +129,8 @@ def test_float32_two_ranks_equal_one_rank():
 
 
 def _engine_greedy(config: EngineConfig) -> dict[str, tuple[list[int], list[tuple[list[int], list[float]]]]]:
+    """Greedy tokens and top logprobs of four prompts; with ``config.cuda_graphs`` every decode step must have
+    replayed a graph (the warm-up's included)."""
     core = build_engine_core(config)
     sampling = SamplingParams(temperature=0.0, max_new_tokens=NUM_TOKENS, ignore_eos=True, top_logprobs=TIE_CANDIDATES)
     generator = torch.Generator().manual_seed(3)
@@ -144,6 +146,8 @@ def _engine_greedy(config: EngineConfig) -> dict[str, tuple[list[int], list[tupl
                     raise output.error
                 results[output.request_id][0].extend(output.new_token_ids)
                 results[output.request_id][1].extend(output.new_top_logprobs)
+        if config.cuda_graphs:
+            assert core.runner.num_graph_steps >= NUM_TOKENS - 1, core.runner.num_graph_steps
     finally:
         if config.parallel.is_parallel:
             stop_parallel_engine(core)
@@ -152,22 +156,25 @@ def _engine_greedy(config: EngineConfig) -> dict[str, tuple[list[int], list[tupl
 
 @pytest.mark.parametrize("expert_parallel", [False, True])
 def test_bfloat16_engine_two_ranks_agree_with_one_rank(tmp_path_factory, expert_parallel):
-    _check_two_ranks_agree(tmp_path_factory, expert_parallel, attention="auto")
+    """Tensor-parallel experts: decode replays CUDA graphs on both ranks.  Expert parallelism syncs with the host
+    in every MoE layer, so its engine runs decode eagerly."""
+    _check_two_ranks_agree(tmp_path_factory, expert_parallel, attention="auto", cuda_graphs=not expert_parallel)
 
 
 def test_bfloat16_engine_two_ranks_agree_on_the_reference_attention(tmp_path_factory):
     """The same with plain-PyTorch attention: tells a fault of the MSA kernels under tensor parallelism (the
     H200 run of 2026-12-01 faulted in the decode index scan on rank 1) from one of the parallel engine."""
-    _check_two_ranks_agree(tmp_path_factory, expert_parallel=False, attention="naive")
+    _check_two_ranks_agree(tmp_path_factory, expert_parallel=False, attention="naive", cuda_graphs=False)
 
 
-def _check_two_ranks_agree(tmp_path_factory, expert_parallel: bool, attention: str) -> None:
+def _check_two_ranks_agree(tmp_path_factory, expert_parallel: bool, attention: str, cuda_graphs: bool) -> None:
     from bench.engine_step import model_config
     from bench.multi_gpu import write_checkpoint
 
     folder = write_checkpoint(tmp_path_factory.getbasetemp() / "m3dims-2", model_config(2, moe=True))
-    config = EngineConfig(model=str(folder), device="cuda", dtype="bfloat16", kv_cache_gb=4.0, cuda_graphs=False,
-                          max_num_batched_tokens=2048, attention=attention)  # fmt: skip
+    # Eight sequences at most: four graph sizes to capture per engine.
+    config = EngineConfig(model=str(folder), device="cuda", dtype="bfloat16", kv_cache_gb=4.0, max_num_seqs=8,
+                          max_num_batched_tokens=2048, attention=attention, cuda_graphs=cuda_graphs)  # fmt: skip
     single = _engine_greedy(config)
     torch.cuda.empty_cache()
     double = _engine_greedy(
