@@ -27,11 +27,12 @@ import torch.distributed as dist
 from m3stack.engine import kernel_compiles
 from m3stack.engine.attention.dense_only import dense_kv_spec
 from m3stack.engine.distributed.config import MULTICAST_OFF_ENV
-from m3stack.engine.distributed.messages import Channel, LeaderModel, RecordingBackend, serve_steps
+from m3stack.engine.distributed.messages import Channel, LeaderModel, serve_steps
 from m3stack.engine.distributed.model import ShardedM3, load_sharded_model
 from m3stack.engine.distributed.sharding import plan_shards
 from m3stack.engine.kv_cache.tensors import KVCacheSpec, allocate_kv_cache
 from m3stack.engine.model.config import load_config
+from m3stack.engine.offload.assembly import OffloadSettings, build_offload, offload_tier_sizes
 from m3stack.engine.runtime.builder import (
     CPU_DEFAULT_KV_GB,
     RankZero,
@@ -222,9 +223,20 @@ def run_worker(config: EngineConfig, rank: int, local_rank: int) -> None:
         configure_logging()
         _watch_parent()
     state = start_rank(config, rank, local_rank)
-    caches = allocate_kv_cache(rank_kv_spec(config, state.model, state.dtype), state.num_blocks, state.device)
-    backend = make_attention_backend(caches, state.model.local_config(), state.device, mode=config.attention)
-    serve_steps(state.model, backend, state.channel)
+    spec = rank_kv_spec(config, state.model, state.dtype)
+    text = state.model.local_config().text
+    offload = None
+    if config.kv_offload_gb:  # this rank's heads on its own tiers, sized as rank 0 sizes its own
+        settings = OffloadSettings(config.kv_offload_gb, config.kv_offload_hot_blocks, exact_device_blocks=True)
+        offload = build_offload(settings, spec, text, offload_tier_sizes(settings, spec, state.num_blocks),
+                                enable_prefix_caching=config.enable_prefix_caching, max_num_seqs=config.max_num_seqs,
+                                device=state.device).device  # fmt: skip
+        caches = offload.cache.layers
+    else:
+        caches = allocate_kv_cache(spec, state.num_blocks, state.device)
+    backend = make_attention_backend(caches, state.model.local_config(), state.device, mode=config.attention,
+                                     offload=offload)  # fmt: skip
+    serve_steps(state.model, backend, state.channel, offload)
     dist.destroy_process_group()
 
 
@@ -269,7 +281,7 @@ def build_parallel_engine_core(config: EngineConfig) -> EngineCore:
         model_path=str(model_folder(config.model)),  # type: ignore[arg-type]
         device=state.device,
         dtype=state.dtype,
-        rank_zero=RankZero(backend_wrapper=RecordingBackend, shard=state.model, graph_peers=leader),
+        rank_zero=RankZero(backend_wrapper=leader.record, shard=state.model, graph_peers=leader),
     )
     stop = _Stopper(leader, processes)
     _STOPPERS[id(core)] = stop

@@ -4,14 +4,17 @@ A message is a fixed-size header broadcast over the control group (gloo, host me
 on a socket, not on a GPU collective that would time out while the engine is idle), then its tensors over the
 default group (NCCL on GPUs), sent straight from rank 0's device buffers with no host round trip::
 
-    FORWARD  [T, R, P, M, block_size]  host ints [2R + 1] over gloo (query starts, context lengths: what the
-                                       attention backend plans from), then device ints [3T + 2R + 1 + R*P + M]
+    FORWARD  [T, R, P, M, block_size, K]
+                                       host ints [2R + 1 + K] over gloo (query starts, context lengths: what the
+                                       attention backend plans from; then the step's K-integer ``OffloadStep``
+                                       with CPU KV offload), then device ints [3T + 2R + 1 + R*P + M]
                                        (ids, positions, slots, query starts, context lengths, page table, vision
                                        rows), then vision embeddings [M, H]
     LOGITS   [n, H]                    the hidden rows whose logits are sampled [n, H]
     CAPTURE  [max_batch, max_len, B]   capture decode CUDA graphs of every padded size, in step with rank 0
-    REPLAY   [size]                    host context lengths [size] over gloo, then rank 0's staged decode buffers
-                                       (``PaddedDecodeBuffers.step_blocks``): plan them, replay the graph of size
+    REPLAY   [size, K]                 host context lengths [size] and the K-integer ``OffloadStep`` over gloo,
+                                       then rank 0's staged decode buffers (``PaddedDecodeBuffers.step_blocks``):
+                                       plan them, replay the graph of size
     STOP     []                        the engine is shutting down
 
 The host copies travel over gloo so that a worker never waits for its device: it plans and enqueues a step while
@@ -28,6 +31,7 @@ import enum
 import logging
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -36,6 +40,7 @@ from m3stack.engine.attention.metadata import AttentionMetadata
 from m3stack.engine.distributed.model import ShardedM3
 from m3stack.engine.kv_cache.tensors import KVCacheSpec
 from m3stack.engine.model.vision import Modality
+from m3stack.engine.offload.device import DeviceOffload, OffloadStep
 from m3stack.engine.runtime.cuda_graphs import DecodeGraphs, PaddedDecodeBuffers
 
 logger = logging.getLogger(__name__)
@@ -67,11 +72,14 @@ def _header(channel: Channel, values: list[int] | None = None) -> list[int]:
 
 
 class RecordingBackend:
-    """Rank 0's attention backend, remembering the metadata of the step being planned."""
+    """Rank 0's attention backend, remembering what the workers need of the step being planned: its metadata, and
+    with CPU KV offload the offload decisions the runner applied just before (``DeviceOffload.last_step``)."""
 
     def __init__(self, inner: AttentionBackend) -> None:
         self.inner = inner
         self.metadata: AttentionMetadata | None = None
+        self.offload: DeviceOffload | None = getattr(inner, "offload", None)
+        self.offload_step: OffloadStep | None = None
 
     @property
     def supports_cuda_graphs(self) -> bool:
@@ -79,7 +87,18 @@ class RecordingBackend:
 
     def begin_step(self, metadata: AttentionMetadata) -> None:
         self.metadata = metadata
+        if self.offload is not None:
+            self.offload_step, self.offload.last_step = self.offload.last_step, None
         self.inner.begin_step(metadata)
+
+    def take_offload_ints(self) -> np.ndarray:
+        """The recorded offload step as integers, once (empty without offload)."""
+        if self.offload is None:
+            return np.zeros(0, dtype=np.int64)
+        if self.offload_step is None:
+            raise RuntimeError("a step with CPU KV offload was planned without its offload decisions")
+        step, self.offload_step = self.offload_step, None
+        return step.to_ints()
 
     def dense(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         return self.inner.dense(layer, q, k, v)
@@ -109,6 +128,13 @@ class LeaderModel:
         self.config = model.config
         self.dtype = model.dtype
         self.failure: str | None = None
+        self.recorder: RecordingBackend | None = None
+
+    def record(self, backend: AttentionBackend) -> RecordingBackend:
+        """Wrap the runner's attention backend: the leader sends the workers what it records of each step (a
+        forward carries its own recorder; a graph replay uses this one)."""
+        self.recorder = RecordingBackend(backend)
+        return self.recorder
 
     def kv_cache_spec(self, dtype: torch.dtype | None = None) -> KVCacheSpec:
         return self.model.kv_cache_spec(dtype)
@@ -134,11 +160,13 @@ class LeaderModel:
         ints = [input_ids, positions, md.slot_mapping, md.query_start_loc, md.seq_lens, md.page_table.flatten()]
         if mm_positions is not None:
             ints.append(mm_positions)
+        offload = torch.from_numpy(attn.take_offload_ints())
         _header(
             self.channel,
-            [Op.FORWARD, input_ids.shape[0], md.seq_lens.shape[0], md.page_table.shape[1], num_rows, md.block_size],
-        )
-        host = torch.cat([md.query_start_loc_cpu, md.seq_lens_cpu]).to(torch.int64)
+            [Op.FORWARD, input_ids.shape[0], md.seq_lens.shape[0], md.page_table.shape[1], num_rows, md.block_size,
+             len(offload)],
+        )  # fmt: skip
+        host = torch.cat([md.query_start_loc_cpu.to(torch.int64), md.seq_lens_cpu.to(torch.int64), offload])
         dist.broadcast(host, src=0, group=self.channel.control)
         return self._run(lambda: self._forward(ints, input_ids, positions, attn, mm_positions, mm_embeds))
 
@@ -178,7 +206,11 @@ class LeaderModel:
 
     def send_replay(self, size: int, buffers: PaddedDecodeBuffers) -> None:
         self._check()
-        _header(self.channel, [Op.REPLAY, size])
+        assert self.recorder is not None  # the graphs' backend is the recorder
+        offload = torch.from_numpy(self.recorder.take_offload_ints())
+        _header(self.channel, [Op.REPLAY, size, len(offload)])
+        if len(offload):
+            dist.broadcast(offload, src=0, group=self.channel.control)
         self._run(lambda: exchange_step(self.channel, size, buffers))
 
     def stop_workers(self) -> None:
@@ -199,11 +231,20 @@ class LeaderModel:
             raise
 
 
+def _receive_offload(channel: Channel, count: int) -> OffloadStep | None:
+    if not count:
+        return None
+    ints = torch.empty(count, dtype=torch.int64)
+    dist.broadcast(ints, src=0, group=channel.control)
+    return OffloadStep.from_ints(ints.numpy())
+
+
 def _receive_forward(header: list[int], model: ShardedM3, channel: Channel) -> tuple:
-    num_tokens, num_requests, width, num_rows, block_size = header[1:6]
-    host = torch.empty(2 * num_requests + 1, dtype=torch.int64)
+    num_tokens, num_requests, width, num_rows, block_size, offload_ints = header[1:7]
+    host = torch.empty(2 * num_requests + 1 + offload_ints, dtype=torch.int64)
     dist.broadcast(host, src=0, group=channel.control)
-    starts_cpu, seq_lens_cpu = host.to(torch.int32).split([num_requests + 1, num_requests])
+    starts_cpu, seq_lens_cpu = host[: 2 * num_requests + 1].to(torch.int32).split([num_requests + 1, num_requests])
+    offload = OffloadStep.from_ints(host[2 * num_requests + 1 :].numpy()) if offload_ints else None
     sizes = [num_tokens, num_tokens, num_tokens, num_requests + 1, num_requests, num_requests * width, num_rows]
     ints = torch.empty(sum(sizes), dtype=torch.int64, device=channel.device)
     dist.broadcast(ints, src=0)
@@ -223,7 +264,7 @@ def _receive_forward(header: list[int], model: ShardedM3, channel: Channel) -> t
     if num_rows:
         embeds = torch.empty((num_rows, model.config.text.hidden_size), dtype=model.dtype, device=channel.device)
         dist.broadcast(embeds, src=0)
-    return metadata, ids, positions, (rows if num_rows else None), embeds
+    return metadata, ids, positions, (rows if num_rows else None), embeds, offload
 
 
 def _all_captured(channel: Channel, captured: bool) -> bool:
@@ -255,6 +296,13 @@ class WorkerGraphPeers:
         raise RuntimeError("only rank 0 starts a replay")
 
 
+def _apply_offload(offload: DeviceOffload | None, step: OffloadStep | None) -> None:
+    if (offload is None) != (step is None):
+        raise RuntimeError("rank 0 and this rank disagree on whether the KV cache is offloaded")
+    if offload is not None and step is not None:
+        offload.apply(step)
+
+
 class _Planner:
     """Plans a worker's steps.  The attention backend plans from pinned host buffers it reuses, copied up
     asynchronously, so before it plans a step the device must have taken the previous step's copies (rank 0's runner
@@ -275,8 +323,11 @@ class _Planner:
 
 
 @torch.inference_mode()
-def serve_steps(model: ShardedM3, backend: AttentionBackend, channel: Channel) -> int:
-    """A worker's loop: replay rank 0's calls until STOP; returns the number of forwards run (graphs included)."""
+def serve_steps(
+    model: ShardedM3, backend: AttentionBackend, channel: Channel, offload: DeviceOffload | None = None
+) -> int:
+    """A worker's loop: replay rank 0's calls until STOP; returns the number of forwards run (graphs included).
+    ``offload``: this rank's side of CPU KV offload, which applies rank 0's decisions for each step."""
     forwards = 0
     planner = _Planner(backend, channel.device)
     graphs: DecodeGraphs | None = None
@@ -284,7 +335,8 @@ def serve_steps(model: ShardedM3, backend: AttentionBackend, channel: Channel) -
         header = _header(channel)
         op = header[0]
         if op == Op.FORWARD:
-            metadata, ids, positions, rows, embeds = _receive_forward(header, model, channel)
+            metadata, ids, positions, rows, embeds, step = _receive_forward(header, model, channel)
+            _apply_offload(offload, step)
             planner.plan(metadata)
             model.forward(ids, positions, backend, rows, embeds)
             forwards += 1
@@ -303,6 +355,7 @@ def serve_steps(model: ShardedM3, backend: AttentionBackend, channel: Channel) -
             if graphs is None or not graphs.captured:
                 raise RuntimeError("rank 0 replays a decode graph this rank did not capture")
             size = header[1]
+            _apply_offload(offload, _receive_offload(channel, header[2]))
             exchange_step(channel, size, graphs.buffers)
             planner.plan(graphs.buffers.metadata(size))
             graphs.replay_planned(size)

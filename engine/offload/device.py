@@ -1,6 +1,8 @@
 """``DeviceOffload``: the device side of CPU KV offload, called by the runner and the attention backends.
 
-Per step (``before_step``, from the runner, before the forward is launched):
+Per step (``before_step``, from the runner, before the forward is launched; the manager's decisions for it are an
+``OffloadStep``, which a parallel engine's rank 0 also sends to its workers, whose ``DeviceOffload`` applies it to
+their own heads' tiers):
 
 1. the spills the tiered manager decided run first, on the compute stream: MSA K/V of every layer to
    pinned host memory (``page_copy``), index keys and dense-layer K/V to the block's host id on the
@@ -36,10 +38,43 @@ from m3stack.engine.offload.metrics import OffloadStats
 from m3stack.engine.offload.page_copy import copy_pages
 from m3stack.engine.offload.prefill_staging import gather_working_set, request_metadata
 from m3stack.engine.offload.resolver import churn, entries_per_request, resolve_decode_pages, resolve_request
-from m3stack.engine.offload.tiered_manager import Migration, TieredKVCacheManager
+from m3stack.engine.offload.tiered_manager import TieredKVCacheManager
 
 # Device counters are copied back at most this often (the server asks for statistics after every step).
 _STATS_PERIOD_S = 0.25
+
+
+@dataclass(frozen=True)
+class OffloadStep:
+    """What the device side does before one forward, as the tiered manager decided it (plain integers)."""
+
+    migrations: np.ndarray  # [N, 3] int64: device id, host id, host slot of each block to spill
+    leases: list[tuple[int, np.ndarray]]  # (handle, page ids) of each hot buffer to (re)start, in lease order
+    handles: np.ndarray  # [R] int32: each request's hot-buffer handle, -1 without host blocks
+    query_lens: np.ndarray  # [R] int64: tokens each request adds
+
+    def to_ints(self) -> np.ndarray:
+        """``[N, L, R, migrations (3N), (handle, count, pages) per lease, handles, query lens]``."""
+        leases = [np.concatenate([[handle, len(pages)], pages]) for handle, pages in self.leases]
+        parts = [[len(self.migrations), len(self.leases), len(self.handles)], self.migrations.reshape(-1), *leases,
+                 self.handles, self.query_lens]  # fmt: skip
+        return np.concatenate([np.asarray(part, dtype=np.int64) for part in parts])
+
+    @classmethod
+    def from_ints(cls, ints: np.ndarray) -> "OffloadStep":
+        num_migrations, num_leases, num_requests = (int(v) for v in ints[:3])
+        at = 3 + 3 * num_migrations
+        migrations = ints[3:at].reshape(num_migrations, 3)
+        leases = []
+        for _ in range(num_leases):
+            handle, count = int(ints[at]), int(ints[at + 1])
+            leases.append((handle, ints[at + 2 : at + 2 + count]))
+            at += 2 + count
+        handles = ints[at : at + num_requests].astype(np.int32)
+        query_lens = ints[at + num_requests : at + 2 * num_requests]
+        if at + 2 * num_requests != len(ints):
+            raise ValueError(f"an offload step of {len(ints)} integers does not parse")
+        return cls(migrations, leases, handles, query_lens)
 
 
 @dataclass
@@ -83,6 +118,7 @@ class DeviceOffload:
         self._step_handles = np.zeros(0, dtype=np.int32)
         self._step_query_lens = np.zeros(0, dtype=np.int64)
         self._handles_dirty = False
+        self.last_step: OffloadStep | None = None  # the manager's decisions for the step being launched
         # Cumulative counters kept on the host.
         self.spill_bytes = 0
         self.staged_bytes = 0
@@ -99,15 +135,27 @@ class DeviceOffload:
     # --- per step -------------------------------------------------------------------------------
 
     def before_step(self, request_ids: list[str], query_lens: np.ndarray) -> None:
-        """Run pending spills, start new hot buffers, and publish this step's handles (rows in step order)."""
+        """Apply the manager's decisions for this step (``last_step`` keeps them for a parallel engine's workers)."""
         pending = self.manager.take_pending()
-        if pending.migrations:
-            self._migrate(pending.migrations)
-        if pending.new_leases:
-            self.state.start_leases(pending.new_leases)
+        migrations = np.array([(m.device_id, m.host_id, m.host_slot) for m in pending.migrations], dtype=np.int64)
+        self.last_step = OffloadStep(
+            migrations=migrations.reshape(-1, 3),
+            leases=[(lease.handle, np.array([p.block_id for p in lease.pages], dtype=np.int64))
+                    for lease in pending.new_leases],
+            handles=np.fromiter((self.manager.handle(r) for r in request_ids), dtype=np.int32, count=len(request_ids)),
+            query_lens=np.asarray(query_lens, dtype=np.int64),
+        )  # fmt: skip
+        self.apply(self.last_step)
+
+    def apply(self, step: OffloadStep) -> None:
+        """Run the step's spills, start its new hot buffers, and publish its handles (rows in step order)."""
+        if len(step.migrations):
+            self._migrate(step.migrations)
+        if step.leases:
+            self.state.start_leases(step.leases)
         self.state.begin_step()
-        handles = np.fromiter((self.manager.handle(r) for r in request_ids), dtype=np.int32, count=len(request_ids))
-        self._step_handles, self._step_query_lens = handles, query_lens
+        handles = step.handles
+        self._step_handles, self._step_query_lens = handles, step.query_lens
         if handles.size and (handles >= 0).any():
             self.handles.fill_(-1)
             self.handles[: handles.size].copy_(staged(handles, self.device), non_blocking=True)
@@ -124,11 +172,10 @@ class DeviceOffload:
         """A request with host blocks adds several tokens: its MSA layers must take the prefill path."""
         return bool(((self._step_handles >= 0) & (self._step_query_lens > 1)).any())
 
-    def _migrate(self, migrations: list[Migration]) -> None:
+    def _migrate(self, migrations: np.ndarray) -> None:
         cache = self.cache
-        rows = [(m.device_id, m.host_id, m.host_slot) for m in migrations]
         # One upload, transposed on the device: [3, N] rows of device ids, host ids, host slots.
-        device_ids, host_ids, slots = upload(torch.tensor(rows, dtype=torch.int64), self.device).T
+        device_ids, host_ids, slots = upload(torch.from_numpy(migrations), self.device).T
         copy_pages(
             cache.device_sparse.flatten(0, 1), cache.host_sparse.flatten(0, 1),
             device_ids.to(torch.int32), slots.to(torch.int32), torch_only=self.torch_copies,

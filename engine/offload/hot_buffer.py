@@ -9,9 +9,8 @@ previous selection.
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
-
-from m3stack.engine.offload.tiered_manager import HotLease
 
 # Columns of the per-layer statistics (int64 [L_msa, NUM_STATS]), counted by the resolver.
 STAT_HITS = 0  # distinct host blocks found in the hot buffer
@@ -58,15 +57,15 @@ class HotStateTensors:
     def hot_blocks(self) -> int:
         return int(self.slot_page.shape[1])
 
-    def start_leases(self, leases: list[HotLease]) -> None:
-        """Empty the rows of newly leased handles and point them at their pages (in lease order: a handle
-        leased twice since the last step ends with its last lease)."""
-        for lease in leases:
-            pages = torch.tensor([page.block_id for page in lease.pages], dtype=torch.int32)
-            self.slot_page[lease.handle] = pages.to(self.slot_page.device, non_blocking=True)
-            self.slot_block[lease.handle] = -1
-            self.slot_stamp[lease.handle] = 0
-            self.previous[lease.handle] = -1
+    def start_leases(self, leases: list[tuple[int, np.ndarray]]) -> None:
+        """Empty the rows of newly leased handles (``(handle, page ids)``) and point them at their pages (in lease
+        order: a handle leased twice since the last step ends with its last lease)."""
+        for handle, page_ids in leases:
+            pages = torch.from_numpy(np.asarray(page_ids, dtype=np.int32))
+            self.slot_page[handle] = pages.to(self.slot_page.device, non_blocking=True)
+            self.slot_block[handle] = -1
+            self.slot_stamp[handle] = 0
+            self.previous[handle] = -1
 
     def begin_step(self) -> None:
         self.clock += 1
