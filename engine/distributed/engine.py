@@ -33,6 +33,7 @@ from m3stack.engine.distributed.sharding import plan_shards
 from m3stack.engine.kv_cache.tensors import KVCacheSpec, allocate_kv_cache
 from m3stack.engine.model.config import load_config
 from m3stack.engine.offload.assembly import OffloadSettings, build_offload, offload_tier_sizes
+from m3stack.engine.offload.layout import tier_sizes
 from m3stack.engine.runtime.builder import (
     CPU_DEFAULT_KV_GB,
     RankZero,
@@ -140,6 +141,10 @@ def _agree_num_blocks(
             "rank %d: step peak %.2f GiB, %.1f GiB for the KV cache", dist.get_rank(), peak / 2**30, budget / 2**30
         )
         blocks = int(budget // spec.bytes_per_page)
+    if config.kv_offload_gb and config.num_kv_blocks is None:
+        # Host blocks keep their index keys (and dense layers' K/V) on the device: their part comes out of the
+        # budget first.  Every rank then sizes its tiers from the agreed count as given (``run_worker``).
+        blocks = tier_sizes(spec, blocks * spec.bytes_per_page, config.kv_offload_gb * 2**30).num_device
     agreed = torch.tensor([blocks], dtype=torch.int64)
     dist.all_reduce(agreed, op=dist.ReduceOp.MIN, group=channel.control)
     if int(agreed) < 2:

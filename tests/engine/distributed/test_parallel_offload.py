@@ -7,8 +7,11 @@ The budget is 15 device blocks of 16 tokens; the long prompt alone needs 20 (as 
 
 import random
 
+import torch
+
 from m3stack.engine.distributed.config import ParallelConfig
 from m3stack.engine.distributed.engine import stop_parallel_engine
+from m3stack.engine.offload.layout import device_bytes_per_host_block, host_bytes_per_block
 from m3stack.engine.runtime import offline
 from m3stack.engine.runtime.builder import build_engine_core
 from m3stack.engine.runtime.config import EngineConfig
@@ -38,5 +41,23 @@ def test_two_ranks_offload_their_heads_with_the_same_tokens(tiny_model_dir) -> N
         assert _generate(core) == expected
         stats = core.stats().offload
         assert stats is not None and stats.spilled_blocks > 0 and stats.hot_misses > 0 and stats.staged_bytes > 0
+    finally:
+        stop_parallel_engine(core)
+
+
+def test_a_sized_parallel_cache_leaves_room_for_the_host_blocks_device_part(tiny_model_dir) -> None:
+    """Sized from a KV budget (not an exact count), each rank's device tier gives up the index keys and dense K/V
+    that its host blocks keep on the device, as one GPU's does: both tiers fit the budget."""
+    budget_gb, host_gb = 0.004, 0.002
+    config = EngineConfig(model=str(tiny_model_dir), kv_cache_gb=budget_gb, kv_offload_gb=host_gb, cpu_threads=1,
+                          parallel=ParallelConfig(tensor_parallel=2))  # fmt: skip
+    core = build_engine_core(config)
+    try:
+        spec = core.runner.model.kv_cache_spec(torch.float32)
+        kv = core.scheduler.kv
+        device_blocks, host_blocks = kv.pool.num_usable_blocks + 1, kv.host.num_blocks
+        assert host_blocks == int(host_gb * 2**30 // host_bytes_per_block(spec)) > 0
+        used = device_blocks * spec.bytes_per_page + host_blocks * device_bytes_per_host_block(spec)
+        assert budget_gb * 2**30 - 2 * spec.bytes_per_page < used <= budget_gb * 2**30  # two rounding steps
     finally:
         stop_parallel_engine(core)
