@@ -6,7 +6,7 @@ On the H200 machine, from the repository root (see CONTRIBUTING.md and ../shared
         .whl/*.whl && export PYTHONPATH=/tmp/site:$PWD && PYTHONUNBUFFERED=1 python3 bench/gpu_suite.py --out $OUT
 
     python3 bench/gpu_suite.py --out $OUT --only multi_gpu_float32,multi_gpu_False,multi_gpu_True,\
-        multi_gpu_reference,multi_gpu  # 2 GPUs
+        multi_gpu_reference,multi_gpu_offload,multi_gpu  # 2 GPUs
 
 ``.whl`` holds what the machine lacks: FlashInfer and its two dependencies (``../shared/gpu/fetch-wheels.sh``),
 transformers >= 5.24 (the oracle), and for the serving benchmark's gRPC server grpcio >= 1.85.1 (the generated
@@ -88,7 +88,8 @@ def stages(results_dir: Path, selected: set[str] | None) -> list[Stage]:
         *[Stage(f"multi_gpu_{k}", [[python, "-m", "pytest", "-q", "-s", "-o", "log_cli=true", "--log-cli-level=INFO",
                                     "-p", "no:cacheprovider", "-rfE", "--tb=short", f"--timeout={limit - 20}",
                                     "tests/gpu/test_multi_gpu.py", "-k", k]], limit)
-          for k, limit in (("float32", 100), ("False", 260), ("True", 150), ("reference", 150))],
+          for k, limit in (("float32", 100), ("False", 300), ("True", 150), ("reference", 150),
+                           ("offload", 240))],
         # Both engines capture decode graphs (and warm up) before the first point.
         Stage("multi_gpu", bench("multi_gpu", "--budget-s", "180"), 260),
     ]

@@ -8,7 +8,7 @@
   query and 2 KV heads per rank), M3 attention dims: TP=2 greedy tokens equal TP=1's up to the first step
   where TP=2 picks a token TP=1 ranked within bf16 noise of its best (0.05 in logprob; on random weights over a
   200K vocabulary several tokens can sit that close); a difference anywhere else fails.
-  Both MoE layouts.
+  Both MoE layouts, decode CUDA graphs on every rank (tensor-parallel experts), and CPU KV offload per rank.
 
 Needs 2 GPUs; fails, never skips, with fewer.
 """
@@ -148,6 +148,9 @@ def _engine_greedy(config: EngineConfig) -> dict[str, tuple[list[int], list[tupl
                 results[output.request_id][1].extend(output.new_top_logprobs)
         if config.cuda_graphs:
             assert core.runner.num_graph_steps >= NUM_TOKENS - 1, core.runner.num_graph_steps
+        if config.kv_offload_gb:
+            stats = core.stats().offload
+            assert stats is not None and stats.spilled_blocks > 0 and stats.hot_misses > 0, stats
     finally:
         if config.parallel.is_parallel:
             stop_parallel_engine(core)
@@ -161,13 +164,23 @@ def test_bfloat16_engine_two_ranks_agree_with_one_rank(tmp_path_factory, expert_
     _check_two_ranks_agree(tmp_path_factory, expert_parallel, attention="auto", cuda_graphs=not expert_parallel)
 
 
+def test_bfloat16_engine_two_ranks_with_offload_agree_with_one_rank_without(tmp_path_factory):
+    """TP=2 with CPU KV offload on a device tier of 40 blocks, below the four prompts' ~45: both ranks spill their
+    heads' blocks and read them back through their hot buffers (decode graphs included)."""
+    offload = {"num_kv_blocks": 40, "kv_offload_gb": 1.0}
+    _check_two_ranks_agree(tmp_path_factory, expert_parallel=False, attention="auto", cuda_graphs=True,
+                           parallel_overrides=offload)  # fmt: skip
+
+
 def test_bfloat16_engine_two_ranks_agree_on_the_reference_attention(tmp_path_factory):
     """The same with plain-PyTorch attention: tells a fault of the MSA kernels under tensor parallelism (the
     H200 run of 2026-12-01 faulted in the decode index scan on rank 1) from one of the parallel engine."""
     _check_two_ranks_agree(tmp_path_factory, expert_parallel=False, attention="naive", cuda_graphs=False)
 
 
-def _check_two_ranks_agree(tmp_path_factory, expert_parallel: bool, attention: str, cuda_graphs: bool) -> None:
+def _check_two_ranks_agree(
+    tmp_path_factory, expert_parallel: bool, attention: str, cuda_graphs: bool, parallel_overrides: dict | None = None
+) -> None:
     from bench.engine_step import model_config
     from bench.multi_gpu import write_checkpoint
 
@@ -177,9 +190,8 @@ def _check_two_ranks_agree(tmp_path_factory, expert_parallel: bool, attention: s
                           max_num_batched_tokens=2048, attention=attention, cuda_graphs=cuda_graphs)  # fmt: skip
     single = _engine_greedy(config)
     torch.cuda.empty_cache()
-    double = _engine_greedy(
-        replace(config, parallel=ParallelConfig(tensor_parallel=2, expert_parallel=expert_parallel))
-    )
+    parallel = ParallelConfig(tensor_parallel=2, expert_parallel=expert_parallel)
+    double = _engine_greedy(replace(config, parallel=parallel, **(parallel_overrides or {})))
     for request_id, (tokens, tops) in single.items():
         assert len(tokens) == NUM_TOKENS
         other = double[request_id][0]
