@@ -149,8 +149,10 @@ def video_processor_config() -> dict[str, Any]:
     }
 
 
-def write_tiny_checkpoint(folder: str | Path) -> Path:
-    """Write the tiny checkpoint (weights, configs, tokenizer, chat template) into ``folder``."""
+def write_tiny_checkpoint(folder: str | Path, text_overrides: dict[str, Any] | None = None) -> Path:
+    """Write the tiny checkpoint (weights, configs, tokenizer, chat template) into ``folder``.
+
+    ``text_overrides`` change its text config (tests of other layouts, e.g. more KV heads to split 4 ways)."""
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     tokenizer = build_tiny_tokenizer()
@@ -158,6 +160,7 @@ def write_tiny_checkpoint(folder: str | Path) -> Path:
     raw_config = tiny_config(
         tokenizer.get_vocab_size(), ids[BOS_TOKEN], ids[EOS_TOKEN], ids[IMAGE_TOKEN], ids[VIDEO_TOKEN]
     )
+    raw_config["text_config"].update(text_overrides or {})
     config = parse_config(raw_config)
     _write_json(folder / "config.json", raw_config)
     _write_json(folder / "generation_config.json", {"bos_token_id": ids[BOS_TOKEN], "eos_token_id": ids[EOS_TOKEN]})
