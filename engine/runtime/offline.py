@@ -12,6 +12,8 @@ class Generation:
     token_ids: list[int] = field(default_factory=list)
     finish_reason: FinishReason | None = None
     num_cached_tokens: int = 0
+    logprobs: list[float] = field(default_factory=list)  # with SamplingParams.logprobs
+    top_logprobs: list[tuple[list[int], list[float]]] = field(default_factory=list)  # (ids, logprobs) a token
 
 
 def generate(
@@ -34,6 +36,8 @@ def generate(
                 raise output.error
             result = results[output.request_id]
             result.token_ids += output.new_token_ids
+            result.logprobs += output.new_logprobs
+            result.top_logprobs += output.new_top_logprobs
             if output.finished:
                 result.finish_reason = output.finish_reason
                 result.num_cached_tokens = output.num_cached_tokens

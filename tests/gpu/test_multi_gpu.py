@@ -29,6 +29,7 @@ from m3stack.engine.kv_cache.tensors import allocate_kv_cache
 from m3stack.engine.model.loader import load_model
 from m3stack.engine.model.tiny import ensure_tiny_checkpoint
 from m3stack.engine.model.vision import Modality
+from m3stack.engine.runtime import offline
 from m3stack.engine.runtime.builder import build_engine_core
 from m3stack.engine.runtime.config import EngineConfig
 from m3stack.engine.runtime.request import SamplingParams
@@ -129,23 +130,15 @@ def test_float32_two_ranks_equal_one_rank():
 
 
 def _engine_greedy(config: EngineConfig) -> dict[str, tuple[list[int], list[tuple[list[int], list[float]]]]]:
-    """Greedy tokens and top logprobs of four prompts; with ``config.cuda_graphs`` every decode step must have
-    replayed a graph (the warm-up's included)."""
+    """Greedy tokens and top logprobs of four prompts; with ``config.cuda_graphs`` at least ``NUM_TOKENS - 1``
+    decode steps must have replayed a graph, with offload the engine must have spilled and missed."""
     core = build_engine_core(config)
     sampling = SamplingParams(temperature=0.0, max_new_tokens=NUM_TOKENS, ignore_eos=True, top_logprobs=TIE_CANDIDATES)
     generator = torch.Generator().manual_seed(3)
-    results: dict = {}
+    prompts = [torch.randint(0, 199000, (300 + 700 * index,), generator=generator).tolist() for index in range(4)]
+    requests = [build_request(core.info, f"r{index}", prompt, sampling) for index, prompt in enumerate(prompts)]
     try:
-        for index in range(4):
-            prompt = torch.randint(0, 199000, (300 + 700 * index,), generator=generator).tolist()
-            core.add_request(build_request(core.info, f"r{index}", prompt, sampling))
-            results[f"r{index}"] = ([], [])
-        while core.has_work:
-            for output in core.step().outputs:
-                if output.error is not None:
-                    raise output.error
-                results[output.request_id][0].extend(output.new_token_ids)
-                results[output.request_id][1].extend(output.new_top_logprobs)
+        results = offline.generate(core, requests)
         if config.cuda_graphs:
             assert core.runner.num_graph_steps >= NUM_TOKENS - 1, core.runner.num_graph_steps
         if config.kv_offload_gb:
@@ -154,7 +147,7 @@ def _engine_greedy(config: EngineConfig) -> dict[str, tuple[list[int], list[tupl
     finally:
         if config.parallel.is_parallel:
             stop_parallel_engine(core)
-    return results
+    return {rid: (result.token_ids, result.top_logprobs) for rid, result in results.items()}
 
 
 @pytest.mark.parametrize("expert_parallel", [False, True])

@@ -12,6 +12,7 @@ import torch
 from m3stack.engine.distributed.config import ParallelConfig
 from m3stack.engine.distributed.engine import stop_parallel_engine
 from m3stack.engine.model.tiny import write_tiny_checkpoint
+from m3stack.engine.runtime import offline
 from m3stack.engine.runtime.builder import build_engine_core
 from m3stack.engine.runtime.config import EngineConfig
 from m3stack.engine.runtime.request import SamplingParams
@@ -30,17 +31,8 @@ def _generate(core) -> dict[str, tuple[list[int], list[tuple[list[int], list[flo
     rng = random.Random(4)
     prompts = {"long": [rng.randrange(380) for _ in range(150)], "short": [rng.randrange(380) for _ in range(40)]}
     sampling = SamplingParams(temperature=0.0, max_new_tokens=NEW_TOKENS, ignore_eos=True, top_logprobs=5)
-    results: dict = {}
-    for rid, prompt in prompts.items():
-        core.add_request(build_request(core.info, rid, prompt, sampling))
-        results[rid] = ([], [])
-    while core.has_work:
-        for output in core.step().outputs:
-            if output.error is not None:
-                raise output.error
-            results[output.request_id][0].extend(output.new_token_ids)
-            results[output.request_id][1].extend(output.new_top_logprobs)
-    return results
+    requests = [build_request(core.info, rid, prompt, sampling) for rid, prompt in prompts.items()]
+    return {rid: (result.token_ids, result.top_logprobs) for rid, result in offline.generate(core, requests).items()}
 
 
 def _config(model_dir, **overrides) -> EngineConfig:
