@@ -1,7 +1,7 @@
-"""Four ranks against one (gloo, four real processes, float32 on CPU) on a tiny model whose heads and experts
-split four ways (8 query, 4 KV and 4 index heads, 4 experts): each rank holds one KV head, its index head and
-MSA selection, a quarter of every expert (or one whole expert), and a quarter of the vocabulary.  Greedy tokens
-equal and top-5 logprobs within 1e-4, prompts longer than the MSA selection window.
+"""Four and eight ranks against one (gloo, real processes, float32 on CPU) on a tiny model whose heads and experts
+split eight ways (16 query, 8 KV and 8 index heads, 8 experts): at 8 ranks each holds one KV head, its index head
+and MSA selection, an eighth of every expert (or one whole expert) and of the vocabulary.  Greedy tokens equal and
+top-5 logprobs within 1e-4, prompts longer than the MSA selection window.
 """
 
 import random
@@ -19,12 +19,12 @@ from m3stack.engine.runtime.request import SamplingParams
 from m3stack.engine.runtime.validation import build_request
 
 NEW_TOKENS = 10
-WIDE = {"num_attention_heads": 8, "num_key_value_heads": 4, "index_n_heads": 4}
+WIDE = {"num_attention_heads": 16, "num_key_value_heads": 8, "index_n_heads": 8, "num_local_experts": 8}
 
 
 @pytest.fixture(scope="module")
 def wide_model_dir(tmp_path_factory):
-    return write_tiny_checkpoint(tmp_path_factory.mktemp("tiny-4-kv-heads"), text_overrides=WIDE)
+    return write_tiny_checkpoint(tmp_path_factory.mktemp("tiny-8-kv-heads"), text_overrides=WIDE)
 
 
 def _generate(core) -> dict[str, tuple[list[int], list[tuple[list[int], list[float]]]]]:
@@ -39,11 +39,19 @@ def _config(model_dir, **overrides) -> EngineConfig:
     return EngineConfig(model=str(model_dir), num_kv_blocks=48, max_num_batched_tokens=64, cpu_threads=1, **overrides)
 
 
-@pytest.mark.parametrize("expert_parallel", [False, True], ids=["tensor-parallel-experts", "expert-parallel"])
-def test_four_ranks_equal_one_rank(wide_model_dir, expert_parallel: bool) -> None:
-    expected = _generate(build_engine_core(_config(wide_model_dir)))
+@pytest.fixture(scope="module")
+def one_rank(wide_model_dir):
+    return _generate(build_engine_core(_config(wide_model_dir)))
+
+
+@pytest.mark.parametrize(
+    ("ranks", "expert_parallel"), [(4, False), (4, True), (8, False), (8, True)],
+    ids=["4-tensor-parallel-experts", "4-expert-parallel", "8-tensor-parallel-experts", "8-expert-parallel"],
+)  # fmt: skip
+def test_ranks_equal_one_rank(wide_model_dir, one_rank, ranks: int, expert_parallel: bool) -> None:
+    expected = one_rank
     core = build_engine_core(
-        _config(wide_model_dir, parallel=ParallelConfig(tensor_parallel=4, expert_parallel=expert_parallel))
+        _config(wide_model_dir, parallel=ParallelConfig(tensor_parallel=ranks, expert_parallel=expert_parallel))
     )
     try:
         got = _generate(core)
