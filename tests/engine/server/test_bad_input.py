@@ -220,4 +220,14 @@ def test_an_image_and_a_video_in_one_prompt_and_their_prefix_cache_reuse(server,
     other = pb.GenerateRequest(request_id="mixed-3", input_ids=prompt, sampling=sampling,
                                mm_items=[item(pb.MODALITY_IMAGE, [1, 4, 4], 20, 4, "other-img"), items[1]])  # fmt: skip
     assert list(server.stub.Generate(other, timeout=60))[-1].complete.cached_tokens == 16
+    # Other pixels under the first image's content_hash: the engine keys its caches by the pixels it got, so they
+    # are neither served the first image's cached blocks nor able to replace them.
+    forged_image = item(pb.MODALITY_IMAGE, [1, 4, 4], 20, 4, "mixed-img")
+    forged = pb.GenerateRequest(request_id="mixed-4", input_ids=prompt, sampling=sampling,
+                                mm_items=[forged_image, items[1]])  # fmt: skip
+    assert list(server.stub.Generate(forged, timeout=60))[-1].complete.cached_tokens == 16
+    again = pb.GenerateRequest(request_id="mixed-5", input_ids=prompt, mm_items=items, sampling=sampling)
+    responses = list(server.stub.Generate(again, timeout=60))
+    assert [t for r in responses if r.HasField("chunk") for t in r.chunk.token_ids] == first
+    assert responses[-1].complete.cached_tokens == 48
     server.wait_idle()
