@@ -118,7 +118,7 @@ def pixel_digest(pixel_values: torch.Tensor) -> str:
     client that sent other pixels under a known hash would otherwise be served, and would poison, the cached
     embeddings and KV blocks of that media for every other request.  Hashing what arrived costs ~1.5 ms per MB
     (blake2b, outside the GIL)."""
-    digest = hashlib.blake2b(memoryview(pixel_values.contiguous().numpy()).cast("B"), digest_size=20)
+    digest = hashlib.blake2b(pixel_values.contiguous().view(torch.uint8).numpy(), digest_size=20)  # any dtype: bytes
     digest.update(f"\0{pixel_values.dtype}\0{tuple(pixel_values.shape)}".encode())
     return digest.hexdigest()
 

@@ -5,7 +5,7 @@ import torch
 
 from m3stack.engine.proto import engine_pb2 as pb
 from m3stack.engine.runtime.request import FinishReason, RequestOutput, SamplingParams
-from m3stack.engine.server.convert import responses_from_outputs, sampling_from_proto, tensor_from_proto
+from m3stack.engine.server.convert import pixel_digest, responses_from_outputs, sampling_from_proto, tensor_from_proto
 
 WIRE = {
     torch.uint8: pb.DTYPE_UINT8,
@@ -25,6 +25,20 @@ def test_inline_tensors_arrive_bit_exact(dtype):
     message = pb.Tensor(shape=[5, 7], dtype=WIRE[dtype], inline_data=original.view(torch.uint8).numpy().tobytes())
     received = tensor_from_proto(message, "t", max_bytes=1 << 20)
     assert received.dtype == dtype and torch.equal(received.view(torch.uint8), original.view(torch.uint8))
+
+
+@pytest.mark.parametrize("dtype", list(WIRE))
+def test_the_pixel_digest_follows_the_bytes_the_dtype_and_the_shape(dtype):
+    """The engine's cache key for an item: equal for equal pixels, different for one changed value, for the
+    same bytes as another dtype, and for the same values in another shape."""
+    pixels = torch.arange(48, dtype=torch.float32).reshape(4, 12).to(dtype)
+    digest = pixel_digest(pixels)
+    assert pixel_digest(pixels.clone()) == digest
+    changed = pixels.clone()
+    changed[3, 11] = 7
+    same_bytes = pixels.view(torch.uint8) if dtype != torch.uint8 else pixels.view(torch.int8)
+    others = [changed, pixels.reshape(6, 8), same_bytes]
+    assert len({digest, *(pixel_digest(other) for other in others)}) == 1 + len(others)
 
 
 def test_unset_sampling_fields_take_the_openai_defaults_and_zero_is_not_unset():
