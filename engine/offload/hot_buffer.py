@@ -12,6 +12,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from m3stack.engine.host_copy import upload
+
 # Columns of the per-layer statistics (int64 [L_msa, NUM_STATS]), counted by the resolver.
 STAT_HITS = 0  # distinct host blocks found in the hot buffer
 STAT_MISSES = 1  # distinct host blocks copied host -> device
@@ -61,8 +63,8 @@ class HotStateTensors:
         """Empty the rows of newly leased handles (``(handle, page ids)``) and point them at their pages (in lease
         order: a handle leased twice since the last step ends with its last lease)."""
         for handle, page_ids in leases:
-            pages = torch.from_numpy(np.asarray(page_ids, dtype=np.int32))
-            self.slot_page[handle] = pages.to(self.slot_page.device, non_blocking=True)
+            # From pinned memory: a copy from pageable memory would wait for the step in flight.
+            self.slot_page[handle] = upload(np.asarray(page_ids, dtype=np.int32), self.slot_page.device)
             self.slot_block[handle] = -1
             self.slot_stamp[handle] = 0
             self.previous[handle] = -1
