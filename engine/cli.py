@@ -54,7 +54,8 @@ def add_arguments(opts: OptionGroup) -> None:
         type=options.non_negative_float,
         default=0.0,
         help="pinned host memory for KV blocks moved off the GPU under pressure (0: off); MSA layers' K/V go there, "
-        "the k-index and dense layers stay on the GPU, decode steps copy the selected blocks back on demand",
+        "the k-index and dense layers stay on the GPU, decode steps copy the selected blocks back on demand; "
+        "for the whole engine: with --tensor-parallel N each rank holds 1/N of it (its heads' share)",
     )
     opts.add(
         "--kv-offload-hot-blocks",

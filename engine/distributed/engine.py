@@ -119,6 +119,12 @@ def start_rank(config: EngineConfig, rank: int, local_rank: int) -> RankState:
     return RankState(model, device, dtype, channel, num_blocks)
 
 
+def rank_offload_gb(config: EngineConfig) -> float:
+    """A rank's share of ``--kv-offload-gb``, which is the whole engine's: each rank holds its heads' K/V, so a
+    parallel engine keeps as many host blocks as one GPU's with the same setting, in the same pinned memory."""
+    return config.kv_offload_gb / config.parallel.tensor_parallel
+
+
 def rank_kv_spec(config: EngineConfig, model: ShardedM3, dtype: torch.dtype) -> KVCacheSpec:
     """This rank's cache layout, as the builder's (``--attention dense`` keeps no index keys)."""
     spec = model.kv_cache_spec(dtype)
@@ -144,7 +150,7 @@ def _agree_num_blocks(
     if config.kv_offload_gb and config.num_kv_blocks is None:
         # Host blocks keep their index keys (and dense layers' K/V) on the device: their part comes out of the
         # budget first.  Every rank then sizes its tiers from the agreed count as given (``run_worker``).
-        blocks = tier_sizes(spec, blocks * spec.bytes_per_page, config.kv_offload_gb * 2**30).num_device
+        blocks = tier_sizes(spec, blocks * spec.bytes_per_page, rank_offload_gb(config) * 2**30).num_device
     agreed = torch.tensor([blocks], dtype=torch.int64)
     dist.all_reduce(agreed, op=dist.ReduceOp.MIN, group=channel.control)
     if int(agreed) < 2:
@@ -232,7 +238,7 @@ def run_worker(config: EngineConfig, rank: int, local_rank: int) -> None:
     text = state.model.local_config().text
     offload = None
     if config.kv_offload_gb:  # this rank's heads on its own tiers, sized as rank 0 sizes its own
-        settings = OffloadSettings(config.kv_offload_gb, config.kv_offload_hot_blocks, exact_device_blocks=True)
+        settings = OffloadSettings(rank_offload_gb(config), config.kv_offload_hot_blocks, exact_device_blocks=True)
         offload = build_offload(settings, spec, text, offload_tier_sizes(settings, spec, state.num_blocks),
                                 enable_prefix_caching=config.enable_prefix_caching, max_num_seqs=config.max_num_seqs,
                                 device=state.device).device  # fmt: skip
@@ -277,8 +283,9 @@ def build_parallel_engine_core(config: EngineConfig) -> EngineCore:
     graphs = config.cuda_graphs and not parallel.expert_parallel
     if config.cuda_graphs and not graphs:
         logger.info("expert-parallel MoE synchronizes with the host every layer: decode steps run eagerly")
-    # The agreed block count replaces the builder's own sizing.
-    engine_config = replace(config, cuda_graphs=graphs, num_kv_blocks=state.num_blocks - 1)
+    # The agreed block count replaces the builder's own sizing; rank 0 offloads its own share.
+    engine_config = replace(config, cuda_graphs=graphs, num_kv_blocks=state.num_blocks - 1,
+                            kv_offload_gb=rank_offload_gb(config))  # fmt: skip
     core = assemble_engine_core(
         engine_config,
         leader,

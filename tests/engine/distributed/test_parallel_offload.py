@@ -47,7 +47,8 @@ def test_two_ranks_offload_their_heads_with_the_same_tokens(tiny_model_dir) -> N
 
 def test_a_sized_parallel_cache_leaves_room_for_the_host_blocks_device_part(tiny_model_dir) -> None:
     """Sized from a KV budget (not an exact count), each rank's device tier gives up the index keys and dense K/V
-    that its host blocks keep on the device, as one GPU's does: both tiers fit the budget."""
+    that its host blocks keep on the device, as one GPU's does: both tiers fit the budget.  ``--kv-offload-gb`` is
+    the engine's: each of the two ranks pins half of it."""
     budget_gb, host_gb = 0.004, 0.002
     config = EngineConfig(model=str(tiny_model_dir), kv_cache_gb=budget_gb, kv_offload_gb=host_gb, cpu_threads=1,
                           parallel=ParallelConfig(tensor_parallel=2))  # fmt: skip
@@ -56,7 +57,7 @@ def test_a_sized_parallel_cache_leaves_room_for_the_host_blocks_device_part(tiny
         spec = core.runner.model.kv_cache_spec(torch.float32)
         kv = core.scheduler.kv
         device_blocks, host_blocks = kv.pool.num_usable_blocks + 1, kv.host.num_blocks
-        assert host_blocks == int(host_gb * 2**30 // host_bytes_per_block(spec)) > 0
+        assert host_blocks == int(host_gb / 2 * 2**30 // host_bytes_per_block(spec)) > 0
         used = device_blocks * spec.bytes_per_page + host_blocks * device_bytes_per_host_block(spec)
         assert budget_gb * 2**30 - 2 * spec.bytes_per_page < used <= budget_gb * 2**30  # two rounding steps
     finally:
