@@ -1,19 +1,19 @@
 """Rank 0 tells the other ranks what to run; they run it.  One message per model call.
 
 A message is a fixed-size header broadcast over the control group (gloo, host memory: a waiting worker blocks
-on a socket, not on a GPU collective that would time out while the engine is idle), then its tensors over the
-default group (NCCL on GPUs), sent straight from rank 0's device buffers with no host round trip::
+on a socket, not on a GPU collective that would time out while the engine is idle) carrying its sizes and up to
+``INLINE_INTS`` host integers (longer ones follow in a second broadcast), then its tensors over the default group
+(NCCL on GPUs), sent straight from rank 0's device buffers with no host round trip::
 
     FORWARD  [T, R, P, M, block_size, K]
-                                       host ints [2R + 1 + K] over gloo (query starts, context lengths: what the
-                                       attention backend plans from; then the step's K-integer ``OffloadStep``
-                                       with CPU KV offload), then device ints [3T + 2R + 1 + R*P + M]
-                                       (ids, positions, slots, query starts, context lengths, page table, vision
-                                       rows), then vision embeddings [M, H]
+                                       host: query starts, context lengths (what the attention backend plans
+                                       from), then the step's K-integer ``OffloadStep`` with CPU KV offload;
+                                       device ints [3T + 2R + 1 + R*P + M] (ids, positions, slots, query starts,
+                                       context lengths, page table, vision rows), then vision embeddings [M, H]
     LOGITS   [n, H]                    the hidden rows whose logits are sampled [n, H]
     CAPTURE  [max_batch, max_len, B]   capture decode CUDA graphs of every padded size, in step with rank 0
-    REPLAY   [size, K]                 host context lengths [size] and the K-integer ``OffloadStep`` over gloo,
-                                       then rank 0's staged decode buffers (``PaddedDecodeBuffers.step_blocks``):
+    REPLAY   [size]                    host: context lengths [size], then the ``OffloadStep`` with offload;
+                                       rank 0's staged decode buffers (``PaddedDecodeBuffers.step_blocks``):
                                        plan them, replay the graph of size
     STOP     []                        the engine is shutting down
 
@@ -46,6 +46,9 @@ from m3stack.engine.runtime.cuda_graphs import DecodeGraphs, PaddedDecodeBuffers
 logger = logging.getLogger(__name__)
 
 HEADER_LEN = 8
+# Host integers that ride in the header's own broadcast: a decode step's context lengths and offload decisions
+# fit, so a step costs one gloo round trip (125-175 us each on a 2-core machine, 2026-12-01), not two or three.
+INLINE_INTS = 1024
 
 
 class Op(enum.IntEnum):
@@ -62,13 +65,37 @@ class Channel:
     device: torch.device  # where the tensors of a message live (the default group's device)
 
 
-def _header(channel: Channel, values: list[int] | None = None) -> list[int]:
-    """Broadcast ``values`` from rank 0 (pass None elsewhere) and return them on every rank."""
-    tensor = torch.zeros(HEADER_LEN, dtype=torch.int64)
-    if values is not None:
-        tensor[: len(values)] = torch.tensor(values, dtype=torch.int64)
-    dist.broadcast(tensor, src=0, group=channel.control)
-    return tensor.tolist()
+@dataclass(frozen=True)
+class Message:
+    values: list[int]  # the op, then its sizes (HEADER_LEN)
+    host: torch.Tensor  # its host integers, int64
+
+
+def send_message(channel: Channel, values: list[int], host: torch.Tensor | None = None) -> None:
+    """Rank 0: broadcast a message over the control group."""
+    host = torch.zeros(0, dtype=torch.int64) if host is None else host.to(torch.int64)
+    frame = torch.zeros(HEADER_LEN + 1 + INLINE_INTS, dtype=torch.int64)
+    frame[: len(values)] = torch.tensor(values, dtype=torch.int64)
+    frame[HEADER_LEN] = len(host)
+    inline = len(host) <= INLINE_INTS
+    if inline:
+        frame[HEADER_LEN + 1 : HEADER_LEN + 1 + len(host)] = host
+    dist.broadcast(frame, src=0, group=channel.control)
+    if not inline:
+        dist.broadcast(host.contiguous(), src=0, group=channel.control)
+
+
+def receive_message(channel: Channel) -> Message:
+    """A worker: the next message from rank 0 (blocks until it comes)."""
+    frame = torch.empty(HEADER_LEN + 1 + INLINE_INTS, dtype=torch.int64)
+    dist.broadcast(frame, src=0, group=channel.control)
+    count = int(frame[HEADER_LEN])
+    if count <= INLINE_INTS:
+        host = frame[HEADER_LEN + 1 : HEADER_LEN + 1 + count]
+    else:
+        host = torch.empty(count, dtype=torch.int64)
+        dist.broadcast(host, src=0, group=channel.control)
+    return Message(frame[:HEADER_LEN].tolist(), host)
 
 
 class RecordingBackend:
@@ -161,13 +188,13 @@ class LeaderModel:
         if mm_positions is not None:
             ints.append(mm_positions)
         offload = torch.from_numpy(attn.take_offload_ints())
-        _header(
+        host = torch.cat([md.query_start_loc_cpu.to(torch.int64), md.seq_lens_cpu.to(torch.int64), offload])
+        send_message(
             self.channel,
             [Op.FORWARD, input_ids.shape[0], md.seq_lens.shape[0], md.page_table.shape[1], num_rows, md.block_size,
              len(offload)],
+            host,
         )  # fmt: skip
-        host = torch.cat([md.query_start_loc_cpu.to(torch.int64), md.seq_lens_cpu.to(torch.int64), offload])
-        dist.broadcast(host, src=0, group=self.channel.control)
         return self._run(lambda: self._forward(ints, input_ids, positions, attn, mm_positions, mm_embeds))
 
     def _forward(
@@ -188,7 +215,7 @@ class LeaderModel:
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         self._check()
         hidden = hidden.contiguous()
-        _header(self.channel, [Op.LOGITS, hidden.shape[0], hidden.shape[1]])
+        send_message(self.channel, [Op.LOGITS, hidden.shape[0], hidden.shape[1]])
         return self._run(lambda: self._logits(hidden))
 
     def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -199,7 +226,7 @@ class LeaderModel:
     def begin_capture(self, graphs: DecodeGraphs) -> None:
         self._check()
         buffers = graphs.buffers
-        _header(self.channel, [Op.CAPTURE, buffers.max_batch, graphs.max_model_len, buffers.block_size])
+        send_message(self.channel, [Op.CAPTURE, buffers.max_batch, graphs.max_model_len, buffers.block_size])
 
     def agree(self, captured: bool) -> bool:
         return _all_captured(self.channel, captured)
@@ -207,16 +234,13 @@ class LeaderModel:
     def send_replay(self, size: int, buffers: PaddedDecodeBuffers) -> None:
         self._check()
         assert self.recorder is not None  # the graphs' backend is the recorder
-        offload = torch.from_numpy(self.recorder.take_offload_ints())
-        _header(self.channel, [Op.REPLAY, size, len(offload)])
-        if len(offload):
-            dist.broadcast(offload, src=0, group=self.channel.control)
-        self._run(lambda: exchange_step(self.channel, size, buffers))
+        send_staged_step(self.channel, size, buffers, self.recorder.take_offload_ints())
+        self._run(lambda: broadcast_step_blocks(size, buffers))
 
     def stop_workers(self) -> None:
         """Tell every worker to leave its loop (the engine is shutting down)."""
         if self.failure is None:
-            _header(self.channel, [Op.STOP])
+            send_message(self.channel, [Op.STOP])
 
     def _check(self) -> None:
         if self.failure is not None:
@@ -231,18 +255,9 @@ class LeaderModel:
             raise
 
 
-def _receive_offload(channel: Channel, count: int) -> OffloadStep | None:
-    if not count:
-        return None
-    ints = torch.empty(count, dtype=torch.int64)
-    dist.broadcast(ints, src=0, group=channel.control)
-    return OffloadStep.from_ints(ints.numpy())
-
-
-def _receive_forward(header: list[int], model: ShardedM3, channel: Channel) -> tuple:
-    num_tokens, num_requests, width, num_rows, block_size, offload_ints = header[1:7]
-    host = torch.empty(2 * num_requests + 1 + offload_ints, dtype=torch.int64)
-    dist.broadcast(host, src=0, group=channel.control)
+def _receive_forward(message: Message, model: ShardedM3, channel: Channel) -> tuple:
+    num_tokens, num_requests, width, num_rows, block_size, offload_ints = message.values[1:7]
+    host = message.host
     starts_cpu, seq_lens_cpu = host[: 2 * num_requests + 1].to(torch.int32).split([num_requests + 1, num_requests])
     offload = OffloadStep.from_ints(host[2 * num_requests + 1 :].numpy()) if offload_ints else None
     sizes = [num_tokens, num_tokens, num_tokens, num_requests + 1, num_requests, num_requests * width, num_rows]
@@ -273,9 +288,21 @@ def _all_captured(channel: Channel, captured: bool) -> bool:
     return bool(flag.item())
 
 
-def exchange_step(channel: Channel, size: int, buffers: PaddedDecodeBuffers) -> None:
-    """Rank 0's staged decode step into every rank's buffers (the same layout on all of them)."""
-    dist.broadcast(buffers.host_seq_lens(size), src=0, group=channel.control)
+def send_staged_step(channel: Channel, size: int, buffers: PaddedDecodeBuffers, offload_ints: np.ndarray) -> None:
+    """Rank 0: the REPLAY message of the decode step staged in ``buffers`` (its host part)."""
+    host = torch.cat([buffers.host_seq_lens(size).to(torch.int64), torch.from_numpy(offload_ints)])
+    send_message(channel, [Op.REPLAY, size], host)
+
+
+def receive_staged_step(message: Message, buffers: PaddedDecodeBuffers) -> OffloadStep | None:
+    """A worker: a REPLAY message's host part into this rank's buffers; its offload decisions, if any."""
+    size = message.values[1]
+    buffers.host_seq_lens(size)[:] = message.host[:size]
+    return OffloadStep.from_ints(message.host[size:].numpy()) if len(message.host) > size else None
+
+
+def broadcast_step_blocks(size: int, buffers: PaddedDecodeBuffers) -> None:
+    """Rank 0's staged decode step's device blocks into every rank's buffers (the same layout on all of them)."""
     for block in buffers.step_blocks(size):
         dist.broadcast(block, src=0)
 
@@ -332,10 +359,11 @@ def serve_steps(
     planner = _Planner(backend, channel.device)
     graphs: DecodeGraphs | None = None
     while True:
-        header = _header(channel)
+        message = receive_message(channel)
+        header = message.values
         op = header[0]
         if op == Op.FORWARD:
-            metadata, ids, positions, rows, embeds, step = _receive_forward(header, model, channel)
+            metadata, ids, positions, rows, embeds, step = _receive_forward(message, model, channel)
             _apply_offload(offload, step)
             planner.plan(metadata)
             model.forward(ids, positions, backend, rows, embeds)
@@ -355,8 +383,8 @@ def serve_steps(
             if graphs is None or not graphs.captured:
                 raise RuntimeError("rank 0 replays a decode graph this rank did not capture")
             size = header[1]
-            _apply_offload(offload, _receive_offload(channel, header[2]))
-            exchange_step(channel, size, graphs.buffers)
+            _apply_offload(offload, receive_staged_step(message, graphs.buffers))
+            broadcast_step_blocks(size, graphs.buffers)
             planner.plan(graphs.buffers.metadata(size))
             graphs.replay_planned(size)
             forwards += 1

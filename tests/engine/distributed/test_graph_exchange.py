@@ -1,5 +1,6 @@
-"""The decode-graph replay message between two real processes over gloo: rank 0's staged step reaches a worker's
-own padded buffers whole, so the worker plans and replays exactly rank 0's step.
+"""The decode-graph replay message between two real processes over gloo: rank 0's staged step (its host part in
+the message, its device blocks after it) reaches a worker's own padded buffers whole, so the worker plans and
+replays exactly rank 0's step.
 
 (The CUDA graphs themselves need GPUs: tests/gpu/test_multi_gpu.py replays them on two H200s.)
 """
@@ -12,7 +13,16 @@ import torch
 import torch.distributed as dist
 
 from m3stack.engine.distributed.engine import free_port
-from m3stack.engine.distributed.messages import Channel, exchange_step
+from m3stack.engine.distributed.messages import (
+    INLINE_INTS,
+    Channel,
+    Op,
+    broadcast_step_blocks,
+    receive_message,
+    receive_staged_step,
+    send_message,
+    send_staged_step,
+)
 from m3stack.engine.runtime.cuda_graphs import PaddedDecodeBuffers
 from m3stack.engine.runtime.inputs import HostInputs
 
@@ -60,7 +70,12 @@ def _rank(rank: int, port: int, failures: multiprocessing.Queue) -> None:
             want = expected.stage(host, size)
             if rank == 0:
                 buffers.stage(host, size)
-            exchange_step(channel, size, buffers)
+                send_staged_step(channel, size, buffers, np.zeros(0, dtype=np.int64))
+            else:
+                message = receive_message(channel)
+                if message.values[:2] != [Op.REPLAY, size] or receive_staged_step(message, buffers) is not None:
+                    raise AssertionError(f"rank 1, step {index}: {message}")
+            broadcast_step_blocks(size, buffers)
             got = buffers.metadata(size)
             for field in ("query_start_loc", "seq_lens", "positions", "slot_mapping", "page_table", "seq_lens_cpu",
                           "query_start_loc_cpu"):  # fmt: skip
@@ -68,6 +83,14 @@ def _rank(rank: int, port: int, failures: multiprocessing.Queue) -> None:
                     raise AssertionError(f"rank {rank}, step {index}: {field} {getattr(got, field)}")
             if not torch.equal(buffers.input_ids[:size], expected.input_ids[:size]):
                 raise AssertionError(f"rank {rank}, step {index}: input ids differ")
+        # Host integers beyond what rides in the header follow it in a broadcast of their own.
+        long_host = torch.arange(INLINE_INTS * 3 + 5, dtype=torch.int64)
+        if rank == 0:
+            send_message(channel, [Op.FORWARD, 7], long_host)
+        else:
+            message = receive_message(channel)
+            if message.values[:2] != [Op.FORWARD, 7] or not torch.equal(message.host, long_host):
+                raise AssertionError(f"rank 1: a long message arrived as {message.values}, {len(message.host)} ints")
         dist.destroy_process_group()
     except BaseException as exc:  # reported to the parent, which fails the test
         failures.put(f"rank {rank}: {type(exc).__name__}: {exc}")
