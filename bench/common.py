@@ -38,8 +38,9 @@ def _cpu_count() -> int:
     return len(os.sched_getaffinity(0))
 
 
-def write_results(name: str, rows: list[dict[str, Any]], extra: dict[str, Any] | None = None,
-                  out_dir: Path | None = None) -> Path:
+def write_results(
+    name: str, rows: list[dict[str, Any]], extra: dict[str, Any] | None = None, out_dir: Path | None = None
+) -> Path:
     """Write ``{"device", "date", "command", "rows", ...}`` to ``<out_dir or bench/results>/<name>.json``."""
     payload = {
         "device": device_line(),

@@ -77,8 +77,12 @@ SCAN_PROGRAMS_PER_SM = [1, 2, 3, 4]
 SCAN_CONFIGS = [ScanConfig(p, w, s) for p, w, s in ((1, 4, 3), (1, 4, 2), (1, 4, 4), (1, 8, 3), (2, 4, 2), (2, 8, 2),
                                                     (2, 8, 3))]  # fmt: skip
 # (scan config with page ids loaded ahead, programs per SM its shared memory allows)
-AHEAD_CONFIGS = [(ScanConfig(1, 4, 3, page_ids_ahead=True), 2), (ScanConfig(1, 4, 2, page_ids_ahead=True), 3),
-                 (ScanConfig(1, 4, 4, page_ids_ahead=True), 1), (ScanConfig(1, 8, 3, page_ids_ahead=True), 2)]
+AHEAD_CONFIGS = [
+    (ScanConfig(1, 4, 3, page_ids_ahead=True), 2),
+    (ScanConfig(1, 4, 2, page_ids_ahead=True), 3),
+    (ScanConfig(1, 4, 4, page_ids_ahead=True), 1),
+    (ScanConfig(1, 8, 3, page_ids_ahead=True), 2),
+]
 ATTENTION_CONFIGS = [
     TritonDecodeConfig(),
     TritonDecodeConfig(pages_per_split=1),
@@ -303,7 +307,8 @@ def measure(case: Case, use_flashinfer: bool) -> dict[str, Any]:
     separate = ScanConfig(fused_merge=False)
     keys = [c.index_key for c in case.caches]
     row["scan_us"] = time_layers(
-        lambda layer: scan_index_pages(case.index_q, keys[layer], metadata, plan, separate), case.layers).us
+        lambda layer: scan_index_pages(case.index_q, keys[layer], metadata, plan, separate), case.layers
+    ).us
     scan = scan_index_pages(case.index_q, keys[last], metadata, plan, separate)
     row["merge_us"] = time_layers(lambda _layer: merge_selection(scan, metadata, plan), case.layers).us
     # Both merges must agree (page ids of the last layer), and leave the scan's counters at zero.

@@ -11,6 +11,8 @@ status=0
 
 echo "== ruff"
 if ! ruff check .; then status=1; fi
+# Python files only: the formatter would also rewrite the README's code blocks.
+if ! ruff format --check --exclude '*.md' .; then status=1; fi
 
 echo "== k8s test binaries"
 # tests/k8s runs on a control plane built from Go modules into $M3STACK_CACHE: about 15 minutes
@@ -30,7 +32,7 @@ if [[ $pytest_status -ne 0 ]]; then status=1; fi
 
 elapsed=$(( $(date +%s) - start ))
 if [[ $status -eq 0 ]]; then
-  echo "SUMMARY: PASS (ruff clean, pytest exit $pytest_status) in ${elapsed}s"
+  echo "SUMMARY: PASS (ruff clean and formatted, pytest exit $pytest_status) in ${elapsed}s"
 else
   echo "SUMMARY: FAIL (pytest exit $pytest_status) in ${elapsed}s"
 fi
