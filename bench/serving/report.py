@@ -88,6 +88,7 @@ def target_report(rows: list[dict[str, Any]], workload: Workload, concurrencies:
     return {
         "a_over_c_ge_1.8_every_concurrency": all(a_c[c] >= 1.8 for c in every) if set(every) <= set(a_c) else None,
         "a_over_b_ge_2_at_60k": all(v >= 2.0 for v in a_b.values()) if a_b and long_enough else None,
+        "a_over_b_ge_2_at_concurrencies": sorted((int(c) for c, v in a_b.items() if v >= 2.0)) if long_enough else [],
         "offload_miss_copy_ge_40_gbps": min(copy_rates) >= 40.0 if copy_rates else None,
     }
 

@@ -109,6 +109,10 @@ def test_summaries_of_known_results():
     workload = Workload(60_000, 2048, 512, 1000)
     targets = target_report(rows, workload, [1, 2])
     assert targets["a_over_c_ge_1.8_every_concurrency"] is False and targets["a_over_b_ge_2_at_60k"] is True
+    assert targets["a_over_b_ge_2_at_concurrencies"] == [1]
+    rows.append({"phase": "warm", "config": "b", "concurrency": 2, "output_tok_s": 10.0})
+    assert target_report(rows, workload, [1, 2])["a_over_b_ge_2_at_concurrencies"] == [1]
+    assert target_report(rows, workload, [1, 2])["a_over_b_ge_2_at_60k"] is False
     assert target_report(rows, workload, [1, 2, 4])["a_over_c_ge_1.8_every_concurrency"] is None
     assert targets["offload_miss_copy_ge_40_gbps"] is None
 
