@@ -72,7 +72,7 @@ MAX_LAYERS = 64
 TARGET_REPLAY_US = 2000.0
 MAX_REPEATS = 64
 TIME_BUDGET_S = 330  # bench/gpu_suite.py gives this stage 420 s
-SWEEP_BUDGET_S = 55  # per swept case
+SWEEP_BUDGET_S = 90  # per swept case
 SCAN_PROGRAMS_PER_SM = [1, 2, 3, 4]
 SCAN_CONFIGS = [ScanConfig(p, w, s) for p, w, s in ((1, 4, 3), (1, 4, 2), (1, 4, 4), (1, 8, 3), (2, 4, 2), (2, 8, 2),
                                                     (2, 8, 3))]  # fmt: skip
@@ -83,6 +83,17 @@ AHEAD_CONFIGS = [
     (ScanConfig(1, 4, 4, page_ids_ahead=True), 1),
     (ScanConfig(1, 8, 3, page_ids_ahead=True), 2),
 ]
+# The same for an fp8 k-index, whose tiles take half the shared memory: Triton's pipeliner stages an fp8 tile
+# (widened before the dot) only with the page ids ahead, and keeps num_stages - 2 tiles in flight (bench.sm90_decode:
+# 3 x 16 KiB buffers at 4 stages; without page ids ahead one buffer, waited for in the iteration that fills it).
+FP8_AHEAD_CONFIGS = [
+    (ScanConfig(1, 4, 4, page_ids_ahead=True), 3),
+    (ScanConfig(1, 4, 5, page_ids_ahead=True), 3),
+    (ScanConfig(1, 4, 4, page_ids_ahead=True), 2),
+    (ScanConfig(1, 8, 4, page_ids_ahead=True), 2),
+]
+# The default scan with its merge fused, then with the merge as its own launch in fewer warps
+MERGE_CONFIGS = [ScanConfig()] + [ScanConfig(fused_merge=False, merge_warps=warps) for warps in (1, 2, 4)]
 ATTENTION_CONFIGS = [
     TritonDecodeConfig(),
     TritonDecodeConfig(pages_per_split=1),
@@ -96,7 +107,7 @@ COLUMNS = ["context", "batch", "index_us", "scan_us", "merge_us", "attn_us", "at
            "dense_us", "speedup", "index_scan_tbps", "index_fp8_us", "total_fp8_us", "speedup_fp8"]  # fmt: skip
 SWEEP_COLUMNS = ["context", "batch", "part", "variant", "us", "tbps", "error"]
 TUNED_COLUMNS = ["context", "batch", "scan_programs_per_sm", "scan", "attention", "fused_store", "total_us",
-                 "dense_us", "speedup", "total_fp8_us", "speedup_fp8"]  # fmt: skip
+                 "dense_us", "speedup", "fp8_scan", "total_fp8_us", "speedup_fp8"]  # fmt: skip
 
 
 @dataclass
@@ -386,12 +397,16 @@ def sweep(case: Case, use_flashinfer: bool, deadline: float) -> tuple[list[dict[
            lambda: time_index(case, crowded, SCAN_CONFIGS[1]), case.index_bytes)  # fmt: skip
     # Page ids one iteration ahead: the key tiles are then really multi-buffered (bench.sm90_compile: 100 KiB of
     # shared memory at 3 stages, 2 programs per SM; 68 KiB, i.e. one tile ahead whatever the stages, without).
-    for config, programs in AHEAD_CONFIGS:
-        for fp8 in (False, True):
+    for fp8, configs in ((False, AHEAD_CONFIGS), (True, FP8_AHEAD_CONFIGS)):
+        for config, programs in configs:
             record("index_fp8_ahead" if fp8 else "index_ahead",
                    f"programs_per_sm={programs} splits={plans[programs].scan_splits} {scan_name(config)}",
                    lambda c=config, n=programs, f=fp8: time_index(case, plans[n], c, fp8=f),
                    case.index_bytes // (2 if fp8 else 1))  # fmt: skip
+    # The merge's serial tail (~10 us at any context, 2026-12-01) fused, or as its own launch in fewer warps.
+    for config in MERGE_CONFIGS:
+        record("index_merge", scan_name(config), lambda c=config: time_index(case, default_plan, c),
+               case.index_bytes)  # fmt: skip
     decode_index_topk(case.index_q, case.caches[-1].index_key, metadata, default_plan)
     for config in ATTENTION_CONFIGS[1:]:
         record("attention", attention_name(config), lambda c=config: time_attention(case, default_plan, c, None))
@@ -408,7 +423,7 @@ def sweep(case: Case, use_flashinfer: bool, deadline: float) -> tuple[list[dict[
 
 def scan_name(config: ScanConfig) -> str:
     name = f"pages={config.pages_per_iteration} warps={config.num_warps} stages={config.num_stages}"
-    name += "" if config.fused_merge else " separate merge"
+    name += "" if config.fused_merge else f" separate merge warps={config.merge_warps}"
     return name + (" page ids ahead" if config.page_ids_ahead else "")
 
 
@@ -417,18 +432,31 @@ def attention_name(config: TritonDecodeConfig) -> str:
             + ("" if config.fused_combine else " separate combine"))  # fmt: skip
 
 
-def fastest_scan(results: list[dict[str, Any]], defaults: DecodeTuning) -> tuple[int, ScanConfig]:
-    """Programs per SM and scan config of the fastest bf16 index variant (``index`` and ``index_ahead`` parts)."""
-    timed = [r for r in results if r["part"] in ("index", "index_ahead") and "us" in r]
+BF16_SCAN_PARTS = ("index", "index_ahead")
+FP8_SCAN_PARTS = ("index_fp8", "index_fp8_ahead")
+
+
+def fastest_scan(results: list[dict[str, Any]], defaults: DecodeTuning,
+                 parts: tuple[str, ...] = BF16_SCAN_PARTS) -> tuple[int, ScanConfig]:  # fmt: skip
+    """Programs per SM and scan config of the fastest index variant among ``parts``, then with the merge's own
+    launch if one of those beat the fused merge (``index_merge``: both at the default scan)."""
+    timed = [r for r in results if r["part"] in parts and "us" in r]
     if not timed:
         return defaults.scan_programs_per_sm, defaults.scan
     variant = min(timed, key=lambda r: r["us"])["variant"]
-    known = SCAN_CONFIGS + [config for config, _ in AHEAD_CONFIGS]
+    known = SCAN_CONFIGS + [config for config, _ in AHEAD_CONFIGS + FP8_AHEAD_CONFIGS]
     if not variant.startswith("programs_per_sm="):  # a scan config at the default programs per SM
-        return defaults.scan_programs_per_sm, next((c for c in known if scan_name(c) == variant), defaults.scan)
-    programs, _, rest = variant.removeprefix("programs_per_sm=").partition(" splits=")
-    config_name = rest.partition(" ")[2]  # after the split count; empty: the default scan config
-    return int(programs), next((c for c in known if scan_name(c) == config_name), defaults.scan)
+        programs, config_name = defaults.scan_programs_per_sm, variant
+    else:
+        count, _, rest = variant.removeprefix("programs_per_sm=").partition(" splits=")
+        programs, config_name = int(count), rest.partition(" ")[2]  # empty after the split count: the default
+    scan = next((c for c in known if scan_name(c) == config_name), defaults.scan)
+    merges = [r for r in results if r["part"] == "index_merge" and "us" in r]
+    if merges:
+        best = min(merges, key=lambda r: r["us"])["variant"]
+        merge = next((c for c in MERGE_CONFIGS if scan_name(c) == best), defaults.scan)
+        scan = dataclasses.replace(scan, fused_merge=merge.fused_merge, merge_warps=merge.merge_warps)
+    return programs, scan
 
 
 def tuned_layer(case: Case, results: list[dict[str, Any]], use_flashinfer: bool,
@@ -443,6 +471,7 @@ def tuned_layer(case: Case, results: list[dict[str, Any]], use_flashinfer: bool,
 
     defaults = DecodeTuning()
     programs, scan = fastest_scan(results, defaults)
+    fp8_programs, fp8_scan = fastest_scan(results, defaults, FP8_SCAN_PARTS)
     attention = fastest("attention", attention_name(defaults.triton_attention))
     triton_config = next((c for c in ATTENTION_CONFIGS if attention_name(c) == attention), defaults.triton_attention)
     layer_times = {r["variant"]: r["us"] for r in results if r["part"] == "layer" and "us" in r}
@@ -450,13 +479,15 @@ def tuned_layer(case: Case, results: list[dict[str, Any]], use_flashinfer: bool,
     tuning = DecodeTuning(scan=scan, scan_programs_per_sm=programs,
                           attention="flashinfer" if attention == "flashinfer" else "triton",
                           triton_attention=triton_config, fused_store=fused_store)  # fmt: skip
+    fp8_tuning = dataclasses.replace(tuning, scan=fp8_scan, scan_programs_per_sm=fp8_programs)
     entry: dict[str, Any] = {"context": case.context, "batch": case.batch, "scan_programs_per_sm": programs,
-                             "scan": scan_name(scan), "attention": attention, "fused_store": fused_store}  # fmt: skip
+                             "scan": scan_name(scan), "attention": attention, "fused_store": fused_store,
+                             "fp8_scan": f"programs_per_sm={fp8_programs} {scan_name(fp8_scan)}"}  # fmt: skip
     try:
         entry["total_us"] = time_layer(case, tuning, use_flashinfer).us
         entry["dense_us"] = time_dense(case, use_flashinfer).us
         entry["speedup"] = entry["dense_us"] / entry["total_us"]
-        entry["total_fp8_us"] = time_layer(case, tuning, use_flashinfer, fp8=True).us
+        entry["total_fp8_us"] = time_layer(case, fp8_tuning, use_flashinfer, fp8=True).us
         entry["speedup_fp8"] = entry["dense_us"] / entry["total_fp8_us"]
     except Exception as exc:
         logger.exception("tuned layer failed")

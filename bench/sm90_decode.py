@@ -43,26 +43,30 @@ def decode_builds() -> Iterator[KernelBuild]:
             page_ids_ptr="*i32", slot_ptr="*i64", k_ptr="*bf16", v_ptr="*bf16", ik_ptr="*bf16",
             key_cache_ptr="*bf16", value_cache_ptr="*bf16", index_cache_ptr=key_type,
         )  # fmt: skip
-        configs = bench.SCAN_CONFIGS if key_type == "*bf16" else bench.SCAN_CONFIGS[:2]
+        if key_type == "*bf16":
+            configs = bench.SCAN_CONFIGS + [config for config, _ in bench.AHEAD_CONFIGS]
+        else:
+            configs = bench.SCAN_CONFIGS[:2] + [config for config, _ in bench.FP8_AHEAD_CONFIGS]
         for config in configs:
             for splits_padded in (512, 128):
-                for fused_store in (True, False):
-                    yield KernelBuild(
-                        f"scan {key_type[1:]} pages={config.pages_per_iteration} sp={splits_padded} "
-                        f"store={fused_store}",
-                        decode_index._scan_kernel, pointers,
-                        dict(D=shape.index_head_dim, N=16, SP=splits_padded, PAGES=config.pages_per_iteration,
-                             INPUT_PRECISION="tf32", MERGE=True, STORE=fused_store, **merge, **store),
-                        config.num_warps, config.num_stages,
-                    )  # fmt: skip
+                yield KernelBuild(
+                    f"scan {key_type[1:]} {bench.scan_name(config)} sp={splits_padded}",
+                    decode_index._scan_kernel, pointers,
+                    dict(D=shape.index_head_dim, N=16, SP=splits_padded, PAGES=config.pages_per_iteration,
+                         PAGE_IDS_AHEAD=config.page_ids_ahead, INPUT_PRECISION="tf32",
+                         MERGE=True, **merge, **store),
+                    config.num_warps, config.num_stages,
+                )  # fmt: skip
     merge_pointers = dict(list_ptr="*i64", head_ptr="*i64", page_table_ptr="*i32", query_start_ptr="*i32",
                           seq_lens_ptr="*i32", row_indptr_ptr="*i32", selected_ptr="*i32",
                           page_ids_ptr="*i32")  # fmt: skip
     for splits_padded in (512, 128):
-        yield KernelBuild(
-            f"merge sp={splits_padded}", decode_index._merge_kernel, merge_pointers,
-            dict(SP=splits_padded, CPB=shape.num_kv_heads, **merge), decode_index._MERGE_WARPS, TRITON_DEFAULT_STAGES,
-        )  # fmt: skip
+        for warps in (4, 1):
+            columns = max(1, min(shape.num_kv_heads, decode_index._MERGE_KEYS_PER_WARP * warps // splits_padded))
+            yield KernelBuild(
+                f"merge sp={splits_padded} columns={columns}", decode_index._merge_kernel, merge_pointers,
+                dict(SP=splits_padded, CPB=columns, **merge), warps, TRITON_DEFAULT_STAGES,
+            )  # fmt: skip
     attention_pointers = dict(
         q_ptr="*bf16", key_ptr="*bf16", value_ptr="*bf16", out_ptr="*bf16", partial_o_ptr="*fp32",
         partial_lse_ptr="*fp32", token_request_ptr="*i32", positions_ptr="*i64", page_table_ptr="*i32",

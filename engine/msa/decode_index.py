@@ -61,6 +61,13 @@ class ScanConfig:
     # Load the next iteration's page ids during this one, so a key tile's address never waits on a load of
     # the same iteration (the prefill indexer's fix for Triton's pipeliner); off until the H200 sweep says.
     page_ids_ahead: bool = False
+    # Warps of the merge's own launch (``fused_merge`` off): at one, its 30 sequential rankings reduce within
+    # a warp, with no shared-memory round trip and barrier each; it ranks 512 keys a program per warp.
+    merge_warps: int = 4
+
+    def __post_init__(self) -> None:
+        if self.merge_warps not in (1, 2, 4, 8):
+            raise ValueError(f"merge_warps must be 1, 2, 4 or 8, got {self.merge_warps}")
 
 
 # Columns of the scan's MMA: at least 16 (tensor-core minimum); (tokens x index heads) beyond
@@ -70,10 +77,10 @@ MAX_DECODE_COLUMNS = 64
 # token) the merge faults with an illegal address on the H200 (a one-GPU repro of the TP=2 engine's fault,
 # 2026-12-01; 4 and 16 run clean); the padding columns belong to no token and are never stored.
 _MIN_MERGE_COLUMNS = 4
-# Int64 keys a merge program ranks at once (heads of all splits x its columns): 16 per thread at
-# 4 warps.  More columns than fit are merged in a second launch.
-_MERGE_TILE = 2048
-_MERGE_WARPS = 4
+# Int64 keys a merge program ranks at once (heads of all splits x its columns) per warp: 16 per thread.
+# More columns than fit the scan's program (4 warps) are merged in a second launch.
+_MERGE_KEYS_PER_WARP = 512
+_FUSED_MERGE_WARPS = 4
 # Below every packed key, real or empty.
 _FLOOR = -(2**63)
 
@@ -357,11 +364,11 @@ class _MergeShape:
         return self.columns_per_program == self.columns_stored
 
 
-def _merge_shape(plan: SparseDecodePlan) -> _MergeShape:
+def _merge_shape(plan: SparseDecodePlan, warps: int) -> _MergeShape:
     shape = plan.shape
     columns = triton.next_power_of_2(max(shape.num_kv_heads * plan.max_query_len, _MIN_MERGE_COLUMNS))
     splits_padded = triton.next_power_of_2(plan.scan_splits)
-    per_program = max(1, min(columns, _MERGE_TILE // splits_padded))
+    per_program = max(1, min(columns, _MERGE_KEYS_PER_WARP * warps // splits_padded))
     return _MergeShape(columns, triton.next_power_of_2(max(shape.topk - shape.local_blocks, 1)), splits_padded,
                        per_program)  # fmt: skip
 
@@ -420,6 +427,7 @@ class IndexScan:
     selected: torch.Tensor  # [Hidx, T, topk] int32, filled by the merge
     merged: bool  # the scan's last programs merged (one launch)
     merge: _MergeShape
+    merge_warps: int
 
 
 def scan_index_pages(
@@ -438,7 +446,8 @@ def scan_index_pages(
     shape = plan.shape
     num_tokens, num_heads, head_dim = index_q.shape
     store_args, store_constexprs = _store_arguments(new_keys, index_q, index_key_cache, plan, metadata)
-    merge = _merge_shape(plan)
+    merge_warps = _FUSED_MERGE_WARPS if config.fused_merge else config.merge_warps
+    merge = _merge_shape(plan, merge_warps)
     splits = plan.scan_splits
     device = index_q.device
     scan = IndexScan(
@@ -448,6 +457,7 @@ def scan_index_pages(
         selected=torch.empty((num_heads, num_tokens, shape.topk), dtype=torch.int32, device=device),
         merged=config.fused_merge and merge.fits_one_program,
         merge=merge,
+        merge_warps=merge_warps,
     )  # fmt: skip
     if plan.num_requests == 0:
         return scan
@@ -473,7 +483,7 @@ def merge_selection(scan: IndexScan, metadata: AttentionMetadata, plan: SparseDe
     _merge_kernel[(plan.num_requests, merge.columns_stored // merge.columns_per_program)](
         scan.lists, scan.heads, metadata.page_table, metadata.query_start_loc, metadata.seq_lens, plan.row_indptr,
         scan.selected, plan.page_ids, metadata.page_table.stride(0), plan.scan_splits, plan.num_tokens,
-        CPB=merge.columns_per_program, **_merge_constexprs(plan, merge), num_warps=_MERGE_WARPS,
+        CPB=merge.columns_per_program, **_merge_constexprs(plan, merge), num_warps=scan.merge_warps,
     )  # fmt: skip
     return scan.selected
 

@@ -1,6 +1,16 @@
 """How bench.msa_decode turns its sweep into the tuned layer: the variant names it records name a launch again."""
 
-from bench.msa_decode import AHEAD_CONFIGS, SCAN_CONFIGS, fastest_scan, scan_name
+import dataclasses
+
+from bench.msa_decode import (
+    AHEAD_CONFIGS,
+    FP8_AHEAD_CONFIGS,
+    FP8_SCAN_PARTS,
+    MERGE_CONFIGS,
+    SCAN_CONFIGS,
+    fastest_scan,
+    scan_name,
+)
 from m3stack.engine.msa.decode_tuning import DecodeTuning
 
 DEFAULTS = DecodeTuning()
@@ -26,6 +36,28 @@ def test_the_fastest_bf16_index_variant_wins_whatever_part_recorded_it():
     assert fastest_scan([], DEFAULTS) == (DEFAULTS.scan_programs_per_sm, DEFAULTS.scan)
 
 
+def test_fp8_picks_among_its_own_parts_and_a_faster_separate_merge_applies_to_both():
+    fp8_ahead, fp8_programs = FP8_AHEAD_CONFIGS[0]
+    fused, one_warp = MERGE_CONFIGS[:2]
+    rows = [
+        _row("index", scan_name(SCAN_CONFIGS[2]), 75.0),
+        _row("index_merge", scan_name(fused), 76.0),
+        _row("index_fp8", scan_name(SCAN_CONFIGS[1]), 72.0),
+        _row("index_fp8_ahead", f"programs_per_sm={fp8_programs} splits=396 {scan_name(fp8_ahead)}", 45.0),
+    ]
+    assert fastest_scan(rows, DEFAULTS, FP8_SCAN_PARTS) == (fp8_programs, fp8_ahead)
+    slower_merge = [*rows, _row("index_merge", scan_name(one_warp), 77.0)]
+    assert fastest_scan(slower_merge, DEFAULTS) == (DEFAULTS.scan_programs_per_sm, SCAN_CONFIGS[2])
+    faster_merge = [*rows, _row("index_merge", scan_name(one_warp), 70.0)]
+    separate = {"fused_merge": False, "merge_warps": one_warp.merge_warps}
+    bf16_pick = (DEFAULTS.scan_programs_per_sm, dataclasses.replace(SCAN_CONFIGS[2], **separate))
+    assert fastest_scan(faster_merge, DEFAULTS) == bf16_pick
+    assert fastest_scan(faster_merge, DEFAULTS, FP8_SCAN_PARTS) == (
+        fp8_programs,
+        dataclasses.replace(fp8_ahead, **separate),
+    )
+
+
 def test_every_swept_scan_config_has_its_own_name():
-    configs = SCAN_CONFIGS + [config for config, _ in AHEAD_CONFIGS]
+    configs = set(SCAN_CONFIGS + [config for config, _ in AHEAD_CONFIGS + FP8_AHEAD_CONFIGS] + MERGE_CONFIGS)
     assert len({scan_name(c) for c in configs}) == len(configs)

@@ -72,8 +72,18 @@ def check_attention(paged: PagedBatch, q: torch.Tensor, selected: torch.Tensor, 
         (ScanConfig(1, 8, 4), 512),
         (ScanConfig(page_ids_ahead=True), None),
         (ScanConfig(1, 4, 4, page_ids_ahead=True), 5),
+        (ScanConfig(fused_merge=False, merge_warps=1), 512),
+        (ScanConfig(fused_merge=False, merge_warps=1), None),
     ],
-    ids=["default", "two-pages-7-splits", "8-warps-512-splits", "page-ids-ahead", "page-ids-ahead-4-stages"],
+    ids=[
+        "default",
+        "two-pages-7-splits",
+        "8-warps-512-splits",
+        "page-ids-ahead",
+        "page-ids-ahead-4-stages",
+        "one-warp-merge-512-splits",
+        "one-warp-merge",
+    ],
 )
 def test_index_selection_and_page_ids(batch, config: ScanConfig, splits: int | None) -> None:
     paged, _, index_q = batch
@@ -301,7 +311,12 @@ def test_backend_decode_graph_replays_a_later_step() -> None:
         torch.testing.assert_close(actual.float(), expected.float(), atol=OUT_TOLERANCE, rtol=OUT_TOLERANCE)
 
 
-def test_fp8_index_keys_select_what_the_reference_selects_from_them(batch) -> None:
+@pytest.mark.parametrize(
+    "config",
+    [ScanConfig(), ScanConfig(1, 4, 4, page_ids_ahead=True), ScanConfig(1, 4, 5, page_ids_ahead=True)],
+    ids=["default", "page-ids-ahead-4-stages", "page-ids-ahead-5-stages"],
+)
+def test_fp8_index_keys_select_what_the_reference_selects_from_them(batch, config: ScanConfig) -> None:
     paged, _, index_q = batch
     metadata = paged.metadata
     fp8 = dataclasses.replace(
@@ -310,5 +325,5 @@ def test_fp8_index_keys_select_what_the_reference_selects_from_them(batch) -> No
         index_keys=[keys.to(torch.float8_e4m3fn).bfloat16() for keys in paged.index_keys],
     )
     plan = plan_sparse_decode(metadata, SHAPE, torch.device("cuda"))
-    selected = decode_index_topk(index_q, fp8.index_key_cache, metadata, plan)
+    selected = decode_index_topk(index_q, fp8.index_key_cache, metadata, plan, config)
     check_selection(fp8, index_q, selected)

@@ -93,6 +93,20 @@ def test_page_ids_loaded_ahead_select_the_same_blocks() -> None:
     check_against_reference(batch, index_q, shape_for(topk=4, local_blocks=1), splits=3, config=config)
 
 
+@pytest.mark.parametrize("merge_warps", [1, 2])
+def test_a_separate_merge_in_few_warps_splits_its_columns_over_programs(merge_warps: int) -> None:
+    """At 128 splits a merge program of one (two) warps ranks 4 (8) of the 8 stored columns (4 tokens x 2 heads):
+    the columns of a request are merged by several programs."""
+    batch, index_q = make_batch(torch.float32, seed=23, requests=[(250, 1), (130, 3), (177, 4)])
+    config = ScanConfig(fused_merge=False, merge_warps=merge_warps)
+    check_against_reference(batch, index_q, shape_for(topk=4, local_blocks=1), splits=128, config=config)
+
+
+def test_scan_configs_refuse_a_merge_warp_count_triton_cannot_launch() -> None:
+    with pytest.raises(ValueError, match="merge_warps"):
+        ScanConfig(fused_merge=False, merge_warps=3)
+
+
 @pytest.mark.parametrize("value", [1.0, 0.0], ids=["equal-keys", "zero-keys"])
 def test_ties_go_to_the_lower_block_across_splits(value: float) -> None:
     """Equal index keys make every block score equal (zero keys: +0.0 and -0.0 alike, as in MiniMax's
