@@ -15,8 +15,9 @@ keep the method of earlier runs (one graph of one pass per replay, launch latenc
 
 Rows (``rows`` in the JSON, default ``DecodeTuning``):
 
-* ``index_us``: ``decode_index_topk`` (scan with the merge fused); ``scan_us``: the scan alone, and
-  ``merge_us``: the merge as its own launch; ``index_scan_tbps``: k-index bytes / ``index_us``;
+* ``index_us``: ``decode_index_topk`` in the default launch (the scan, then the merge in one-warp programs);
+  ``scan_us``: the scan alone, and ``merge_us``: that merge alone; ``index_fused_us``: the scan with the
+  merge fused into its last program per request; ``index_scan_tbps``: k-index bytes / ``index_us``;
 * ``attn_us``: the Triton sparse attention over the selected pages; ``attn_fi_us``: FlashInfer's;
 * ``total_us``: ``GpuAttentionBackend.sparse`` (store + index + attention: the whole MSA layer);
   ``total_fi_us``: the same with FlashInfer attention and a separate store;
@@ -103,8 +104,9 @@ ATTENTION_CONFIGS = [
     TritonDecodeConfig(pages_per_split=4, num_stages=2),
     TritonDecodeConfig(fused_combine=False),
 ]
-COLUMNS = ["context", "batch", "index_us", "scan_us", "merge_us", "attn_us", "attn_fi_us", "total_us", "total_fi_us",
-           "dense_us", "speedup", "index_scan_tbps", "index_fp8_us", "total_fp8_us", "speedup_fp8"]  # fmt: skip
+COLUMNS = ["context", "batch", "index_us", "index_fused_us", "scan_us", "merge_us", "attn_us", "attn_fi_us",
+           "total_us", "total_fi_us", "dense_us", "speedup", "index_scan_tbps", "index_fp8_us", "total_fp8_us",
+           "speedup_fp8"]  # fmt: skip
 SWEEP_COLUMNS = ["context", "batch", "part", "variant", "us", "tbps", "error"]
 TUNED_COLUMNS = ["context", "batch", "scan_programs_per_sm", "scan", "attention", "fused_store", "total_us",
                  "dense_us", "speedup", "fp8_scan", "total_fp8_us", "speedup_fp8"]  # fmt: skip
@@ -313,9 +315,11 @@ def measure(case: Case, use_flashinfer: bool) -> dict[str, Any]:
     row: dict[str, Any] = {"context": case.context, "batch": case.batch, "layers": case.layers}
     plan = plan_sparse_decode(metadata, M3, device)
     row["scan_splits"] = plan.scan_splits
-    row["index_us"] = time_index(case, plan, ScanConfig())
+    default_scan = DecodeTuning().scan
+    row["index_us"] = time_index(case, plan, default_scan)
     row["index_scan_tbps"] = case.index_bytes / (row["index_us"] * 1e-6) / 1e12
-    separate = ScanConfig(fused_merge=False)
+    row["index_fused_us"] = time_index(case, plan, ScanConfig())
+    separate = dataclasses.replace(default_scan, fused_merge=False)
     keys = [c.index_key for c in case.caches]
     row["scan_us"] = time_layers(
         lambda layer: scan_index_pages(case.index_q, keys[layer], metadata, plan, separate), case.layers
@@ -344,7 +348,7 @@ def measure(case: Case, use_flashinfer: bool) -> dict[str, Any]:
     dense = time_dense(case, use_flashinfer)
     row["dense_us"], row["dense_1replay_us"] = dense.us, dense.single_replay_us
     row["speedup"] = row["dense_us"] / row["total_us"]
-    row["index_fp8_us"] = time_index(case, plan, ScanConfig(), fp8=True)
+    row["index_fp8_us"] = time_index(case, plan, default_scan, fp8=True)
     row["index_fp8_tbps"] = case.index_bytes / 2 / (row["index_fp8_us"] * 1e-6) / 1e12
     row["total_fp8_us"] = time_layer(case, DecodeTuning(), use_flashinfer, fp8=True).us
     row["speedup_fp8"] = row["dense_us"] / row["total_fp8_us"]
@@ -450,11 +454,12 @@ def fastest_scan(results: list[dict[str, Any]], defaults: DecodeTuning,
     else:
         count, _, rest = variant.removeprefix("programs_per_sm=").partition(" splits=")
         programs, config_name = int(count), rest.partition(" ")[2]  # empty after the split count: the default
-    scan = next((c for c in known if scan_name(c) == config_name), defaults.scan)
+    # A variant without a config name ran the scan's default launch (the merge fused, as every scan variant).
+    scan = next((c for c in known if scan_name(c) == config_name), ScanConfig())
     merges = [r for r in results if r["part"] == "index_merge" and "us" in r]
     if merges:
         best = min(merges, key=lambda r: r["us"])["variant"]
-        merge = next((c for c in MERGE_CONFIGS if scan_name(c) == best), defaults.scan)
+        merge = next(c for c in MERGE_CONFIGS if scan_name(c) == best)
         scan = dataclasses.replace(scan, fused_merge=merge.fused_merge, merge_warps=merge.merge_warps)
     return programs, scan
 

@@ -62,7 +62,8 @@ class ScanConfig:
     # the same iteration (the prefill indexer's fix for Triton's pipeliner); off until the H200 sweep says.
     page_ids_ahead: bool = False
     # Warps of the merge's own launch (``fused_merge`` off): at one, its 30 sequential rankings reduce within
-    # a warp, with no shared-memory round trip and barrier each; it ranks 512 keys a program per warp.
+    # a warp, with no shared-memory round trip and barrier each; it ranks 512 keys a program per warp.  The H200
+    # sweep (1M context, batch 1): the scan with a one-warp merge launch 72.7 us, with the merge fused 76.0.
     merge_warps: int = 4
 
     def __post_init__(self) -> None:
@@ -73,9 +74,10 @@ class ScanConfig:
 # Columns of the scan's MMA: at least 16 (tensor-core minimum); (tokens x index heads) beyond
 # this many per request go to the prefill path instead.
 MAX_DECODE_COLUMNS = 64
-# Fewest columns the lists and the merge are laid out for.  At 2 (a tensor-parallel rank's 2 index heads x 1 decode
-# token) the merge faults with an illegal address on the H200 (a one-GPU repro of the TP=2 engine's fault,
-# 2026-12-01; 4 and 16 run clean); the padding columns belong to no token and are never stored.
+# Fewest columns the lists and the merge are laid out for.  A merge program of 2 columns faults with an illegal
+# address on the H200: a TP=2 rank's 2 index heads x 1 decode token (the 2x H200 engine's fault, repro on one GPU,
+# 2026-12-01), and a two-warp merge launch ranking 2 of 4 columns at 512 splits (the H200 sweep, the same day);
+# 1, 4 and 16 run clean.  The padding columns belong to no token and are never stored.
 _MIN_MERGE_COLUMNS = 4
 # Int64 keys a merge program ranks at once (heads of all splits x its columns) per warp: 16 per thread.
 # More columns than fit the scan's program (4 warps) are merged in a second launch.
@@ -369,6 +371,8 @@ def _merge_shape(plan: SparseDecodePlan, warps: int) -> _MergeShape:
     columns = triton.next_power_of_2(max(shape.num_kv_heads * plan.max_query_len, _MIN_MERGE_COLUMNS))
     splits_padded = triton.next_power_of_2(plan.scan_splits)
     per_program = max(1, min(columns, _MERGE_KEYS_PER_WARP * warps // splits_padded))
+    if per_program == 2:  # never a 2-column merge program (above): one column each instead
+        per_program = 1
     return _MergeShape(columns, triton.next_power_of_2(max(shape.topk - shape.local_blocks, 1)), splits_padded,
                        per_program)  # fmt: skip
 

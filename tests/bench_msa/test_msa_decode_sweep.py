@@ -11,6 +11,7 @@ from bench.msa_decode import (
     fastest_scan,
     scan_name,
 )
+from m3stack.engine.msa.decode_index import ScanConfig
 from m3stack.engine.msa.decode_tuning import DecodeTuning
 
 DEFAULTS = DecodeTuning()
@@ -32,7 +33,7 @@ def test_the_fastest_bf16_index_variant_wins_whatever_part_recorded_it():
     assert fastest_scan(rows, DEFAULTS) == (programs, ahead)
     assert fastest_scan(rows[:2], DEFAULTS) == (DEFAULTS.scan_programs_per_sm, SCAN_CONFIGS[2])
     only_programs = [_row("index", "programs_per_sm=2 splits=264", 70.0)]  # the default scan config
-    assert fastest_scan(only_programs, DEFAULTS) == (2, DEFAULTS.scan)
+    assert fastest_scan(only_programs, DEFAULTS) == (2, ScanConfig())  # the scan's default launch, merge fused
     assert fastest_scan([], DEFAULTS) == (DEFAULTS.scan_programs_per_sm, DEFAULTS.scan)
 
 

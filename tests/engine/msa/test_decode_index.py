@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from m3stack.engine.msa import reference
-from m3stack.engine.msa.decode_index import ScanConfig, decode_index_topk
+from m3stack.engine.msa.decode_index import ScanConfig, _merge_shape, decode_index_topk
 from m3stack.engine.msa.decode_plan import SparseDecodeShape, plan_sparse_decode
 from tests.engine.msa.prefill_support import PagedBatch, assert_selection_matches, paged_batch
 
@@ -100,6 +100,19 @@ def test_a_separate_merge_in_few_warps_splits_its_columns_over_programs(merge_wa
     batch, index_q = make_batch(torch.float32, seed=23, requests=[(250, 1), (130, 3), (177, 4)])
     config = ScanConfig(fused_merge=False, merge_warps=merge_warps)
     check_against_reference(batch, index_q, shape_for(topk=4, local_blocks=1), splits=128, config=config)
+
+
+@pytest.mark.parametrize("heads", [1, 2, 4])
+def test_no_merge_program_ranks_two_columns(heads: int) -> None:
+    """A 2-column merge program faults on the H200 (``_MIN_MERGE_COLUMNS``): whatever the columns, splits and
+    warps, a merge program takes 1 or >= 4 columns, and the programs cover the columns evenly."""
+    batch, _ = make_batch(torch.float32, seed=29, requests=[(250, 1), (130, 3)], heads=heads)
+    for splits in (1, 3, 100, 129, 256, 300, 512):
+        plan = plan_sparse_decode(batch.metadata, shape_for(4, 1, heads), torch.device("cpu"), scan_splits=splits)
+        for warps in (1, 2, 4, 8):
+            merge = _merge_shape(plan, warps)
+            assert merge.columns_stored >= 4 and merge.columns_stored % merge.columns_per_program == 0
+            assert merge.columns_per_program != 2, (splits, warps, merge)
 
 
 def test_scan_configs_refuse_a_merge_warp_count_triton_cannot_launch() -> None:
