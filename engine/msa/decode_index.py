@@ -43,7 +43,7 @@ import triton.language as tl
 
 from m3stack.engine.attention.metadata import AttentionMetadata
 from m3stack.engine.kv_cache.tensors import LayerKVCache
-from m3stack.engine.msa.decode_plan import SparseDecodePlan
+from m3stack.engine.msa.decode_plan import SparseDecodePlan, SparseDecodeShape
 from m3stack.engine.msa.store import check_store_inputs, store_launch_args, store_token
 
 
@@ -62,8 +62,8 @@ class ScanConfig:
     # the same iteration (the prefill indexer's fix for Triton's pipeliner); off until the H200 sweep says.
     page_ids_ahead: bool = False
     # Warps of the merge's own launch (``fused_merge`` off): at one, its 30 sequential rankings reduce within
-    # a warp, with no shared-memory round trip and barrier each; it ranks 512 keys a program per warp.  The H200
-    # sweep (1M context, batch 1): the scan with a one-warp merge launch 72.7 us, with the merge fused 76.0.
+    # a warp, with no shared-memory round trip and barrier each; it ranks 512 keys a program per warp.  Lists of
+    # fewer than 16 slots are merged by 4 warps whatever this says (``_FEW_WARP_MERGE_MIN_SLOTS``).
     merge_warps: int = 4
 
     def __post_init__(self) -> None:
@@ -83,6 +83,11 @@ _MIN_MERGE_COLUMNS = 4
 # More columns than fit the scan's program (4 warps) are merged in a second launch.
 _MERGE_KEYS_PER_WARP = 512
 _FUSED_MERGE_WARPS = 4
+# Fewest list slots (top-k minus local blocks, to a power of two) a merge launch of fewer than 4 warps is run
+# for.  On the H200 (2026-12-01, every split count from 8 to 256), lists of 4 slots (the tiny model's top-4)
+# merged by 1 warp select other blocks than 4 warps do, and by 2 warps fault with an illegal address; M3's 16
+# slots merge identically at 1, 2 and 4 warps, also at a TP=2 rank's 2 index heads.
+_FEW_WARP_MERGE_MIN_SLOTS = 16
 # Below every packed key, real or empty.
 _FLOOR = -(2**63)
 
@@ -366,6 +371,11 @@ class _MergeShape:
         return self.columns_per_program == self.columns_stored
 
 
+def _list_slots(shape: SparseDecodeShape) -> int:
+    """KP: the slots of a scan program's candidate list per column (the ranked blocks, to a power of two)."""
+    return triton.next_power_of_2(max(shape.topk - shape.local_blocks, 1))
+
+
 def _merge_shape(plan: SparseDecodePlan, warps: int) -> _MergeShape:
     shape = plan.shape
     columns = triton.next_power_of_2(max(shape.num_kv_heads * plan.max_query_len, _MIN_MERGE_COLUMNS))
@@ -373,8 +383,7 @@ def _merge_shape(plan: SparseDecodePlan, warps: int) -> _MergeShape:
     per_program = max(1, min(columns, _MERGE_KEYS_PER_WARP * warps // splits_padded))
     if per_program == 2:  # never a 2-column merge program (above): one column each instead
         per_program = 1
-    return _MergeShape(columns, triton.next_power_of_2(max(shape.topk - shape.local_blocks, 1)), splits_padded,
-                       per_program)  # fmt: skip
+    return _MergeShape(columns, _list_slots(shape), splits_padded, per_program)
 
 
 def _merge_constexprs(plan: SparseDecodePlan, merge: _MergeShape) -> dict[str, int]:
@@ -451,6 +460,8 @@ def scan_index_pages(
     num_tokens, num_heads, head_dim = index_q.shape
     store_args, store_constexprs = _store_arguments(new_keys, index_q, index_key_cache, plan, metadata)
     merge_warps = _FUSED_MERGE_WARPS if config.fused_merge else config.merge_warps
+    if _list_slots(shape) < _FEW_WARP_MERGE_MIN_SLOTS:
+        merge_warps = _FUSED_MERGE_WARPS
     merge = _merge_shape(plan, merge_warps)
     splits = plan.scan_splits
     device = index_q.device

@@ -3,10 +3,12 @@
 The defaults are the expected fastest (reasoning below; the benchmark's ``decode_sweep`` and
 ``tuned`` rows show whether a run agrees):
 
-* the index scan, then its merge as a launch of one-warp programs (the merge ranks one head per split, then
-  only the lists those heads lead: 30 sequential rankings, each within a warp instead of across the scan's
-  four through shared memory; 72.7 us against 76.0 with the merge fused into the scan's last program per
-  request, 1M context, batch 1, H200 sweep of 2026-12-01);
+* the index scan with its merge in the last program of each request (one launch; the merge ranks
+  one head per split, then only the lists those heads lead).  The merge as a launch of one-warp programs
+  (``ScanConfig(fused_merge=False, merge_warps=1)``) is faster at batch 1 and slower at batch 8 (H200,
+  2026-12-01: 1M x 1 index 72.9 against 77.3 us, 128K x 1 20.0 against 22.7, 128K x 8 82.6 against 74.7),
+  and made the default it broke the GPU suite's tiny-model engine tests (lists of 4 slots, see
+  ``decode_index._FEW_WARP_MERGE_MIN_SLOTS``), so it stays an option;
 * three scan programs per SM (their shared memory allows three; one wave, no tail);
 * the Triton split-K attention with the splits combined in each row's last program: one launch and no
   host-side plan, where FlashInfer's flattened decode takes a split-K launch, a merge launch and a
@@ -26,7 +28,7 @@ DecodeAttentionKernel = Literal["triton", "flashinfer"]
 
 @dataclass(frozen=True)
 class DecodeTuning:
-    scan: ScanConfig = field(default_factory=lambda: ScanConfig(fused_merge=False, merge_warps=1))
+    scan: ScanConfig = field(default_factory=ScanConfig)
     scan_programs_per_sm: int = SCAN_PROGRAMS_PER_SM
     # "flashinfer" where FlashInfer serves the cache (CUDA, fp16/bf16), else the Triton kernel.
     attention: DecodeAttentionKernel = "triton"

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from m3stack.engine.msa import reference
-from m3stack.engine.msa.decode_index import ScanConfig, _merge_shape, decode_index_topk
+from m3stack.engine.msa.decode_index import ScanConfig, _merge_shape, decode_index_topk, scan_index_pages
 from m3stack.engine.msa.decode_plan import SparseDecodeShape, plan_sparse_decode
 from tests.engine.msa.prefill_support import PagedBatch, assert_selection_matches, paged_batch
 
@@ -96,10 +96,25 @@ def test_page_ids_loaded_ahead_select_the_same_blocks() -> None:
 @pytest.mark.parametrize("merge_warps", [1, 2])
 def test_a_separate_merge_in_few_warps_splits_its_columns_over_programs(merge_warps: int) -> None:
     """At 128 splits a merge program of one (two) warps ranks 4 (8) of the 8 stored columns (4 tokens x 2 heads):
-    the columns of a request are merged by several programs."""
-    batch, index_q = make_batch(torch.float32, seed=23, requests=[(250, 1), (130, 3), (177, 4)])
+    the columns of a request are merged by several programs.  Top-16 (lists of 16 slots, M3's): fewer slots are
+    always merged by 4 warps."""
+    batch, index_q = make_batch(torch.float32, seed=23, requests=[(600, 1), (130, 3), (377, 4)])
+    shape = shape_for(topk=16, local_blocks=1)
     config = ScanConfig(fused_merge=False, merge_warps=merge_warps)
-    check_against_reference(batch, index_q, shape_for(topk=4, local_blocks=1), splits=128, config=config)
+    plan = plan_sparse_decode(batch.metadata, shape, torch.device("cpu"), scan_splits=128)
+    scan = scan_index_pages(index_q, batch.index_key_cache, batch.metadata, plan, config)
+    assert scan.merge_warps == merge_warps and scan.merge.columns_per_program == 4 * merge_warps
+    check_against_reference(batch, index_q, shape, splits=128, config=config)
+
+
+def test_lists_of_few_slots_are_merged_by_four_warps_whatever_the_config() -> None:
+    """One warp over 4-slot lists (the tiny model's top-4) selected other blocks than four warps on the H200, two
+    faulted: those lists always get four."""
+    batch, index_q = make_batch(torch.float32, seed=31, requests=[(250, 1), (130, 3)])
+    for topk, warps in ((4, 4), (9, 4), (17, 1)):
+        plan = plan_sparse_decode(batch.metadata, shape_for(topk, 1), torch.device("cpu"), scan_splits=8)
+        config = ScanConfig(fused_merge=False, merge_warps=1)
+        assert scan_index_pages(index_q, batch.index_key_cache, batch.metadata, plan, config).merge_warps == warps
 
 
 @pytest.mark.parametrize("heads", [1, 2, 4])
