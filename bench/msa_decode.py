@@ -348,7 +348,7 @@ def measure(case: Case, use_flashinfer: bool) -> dict[str, Any]:
     dense = time_dense(case, use_flashinfer)
     row["dense_us"], row["dense_1replay_us"] = dense.us, dense.single_replay_us
     row["speedup"] = row["dense_us"] / row["total_us"]
-    row["index_fp8_us"] = time_index(case, plan, default_scan, fp8=True)
+    row["index_fp8_us"] = time_index(case, plan, DecodeTuning().fp8_scan, fp8=True)
     row["index_fp8_tbps"] = case.index_bytes / 2 / (row["index_fp8_us"] * 1e-6) / 1e12
     row["total_fp8_us"] = time_layer(case, DecodeTuning(), use_flashinfer, fp8=True).us
     row["speedup_fp8"] = row["dense_us"] / row["total_fp8_us"]
@@ -484,7 +484,7 @@ def tuned_layer(case: Case, results: list[dict[str, Any]], use_flashinfer: bool,
     tuning = DecodeTuning(scan=scan, scan_programs_per_sm=programs,
                           attention="flashinfer" if attention == "flashinfer" else "triton",
                           triton_attention=triton_config, fused_store=fused_store)  # fmt: skip
-    fp8_tuning = dataclasses.replace(tuning, scan=fp8_scan, scan_programs_per_sm=fp8_programs)
+    fp8_tuning = dataclasses.replace(tuning, fp8_scan=fp8_scan, scan_programs_per_sm=fp8_programs)
     entry: dict[str, Any] = {"context": case.context, "batch": case.batch, "scan_programs_per_sm": programs,
                              "scan": scan_name(scan), "attention": attention, "fused_store": fused_store,
                              "fp8_scan": f"programs_per_sm={fp8_programs} {scan_name(fp8_scan)}"}  # fmt: skip

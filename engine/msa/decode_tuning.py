@@ -9,7 +9,8 @@ The defaults are the expected fastest (reasoning below; the benchmark's ``decode
   2026-12-01: 1M x 1 index 72.9 against 77.3 us, 128K x 1 20.0 against 22.7, 128K x 8 82.6 against 74.7),
   and made the default it broke the GPU suite's tiny-model engine tests (lists of 4 slots, see
   ``decode_index._FEW_WARP_MERGE_MIN_SLOTS``), so it stays an option;
-* three scan programs per SM (their shared memory allows three; one wave, no tail);
+* three scan programs per SM (their shared memory allows three; one wave, no tail), an fp8 k-index's scan
+  at 2 stages (its registers allow three programs per SM only there);
 * the Triton split-K attention with the splits combined in each row's last program: one launch and no
   host-side plan, where FlashInfer's flattened decode takes a split-K launch, a merge launch and a
   host plan per step for 16 pages a row (latency, not bandwidth, is that kernel's cost);
@@ -29,6 +30,9 @@ DecodeAttentionKernel = Literal["triton", "flashinfer"]
 @dataclass(frozen=True)
 class DecodeTuning:
     scan: ScanConfig = field(default_factory=ScanConfig)
+    # The scan over an fp8 k-index: its keys are widened through fp16 in registers, which at 3 stages takes 220
+    # registers a thread (2 programs per SM, so 3 per SM run in two waves) and at 2 stages 158 (3 per SM).
+    fp8_scan: ScanConfig = field(default_factory=lambda: ScanConfig(num_stages=2))
     scan_programs_per_sm: int = SCAN_PROGRAMS_PER_SM
     # "flashinfer" where FlashInfer serves the cache (CUDA, fp16/bf16), else the Triton kernel.
     attention: DecodeAttentionKernel = "triton"
