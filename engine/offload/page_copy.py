@@ -71,6 +71,37 @@ def check_page_tensors(src: torch.Tensor, dst: torch.Tensor) -> None:
             raise ValueError(f"{name} needs contiguous pages within each plane")
 
 
+@dataclass(frozen=True)
+class PageCopyPlan:
+    """The copy kernel's launch for one pair of page tensors, checked and shaped once (``plan_page_copy``), so
+    that ``run`` is the launch alone: a decode step runs it per MSA layer, and the engine's copy timing starts
+    right before it."""
+
+    src: torch.Tensor
+    dst: torch.Tensor
+    programs: int
+    page: int
+    chunk: int
+    num_warps: int
+
+    def run(self, src_index: torch.Tensor, dst_index: torch.Tensor, count: torch.Tensor) -> None:
+        """Copy pages ``src[:, src_index[i]] -> dst[:, dst_index[i]]`` for ``i < count`` (device tensors)."""
+        _copy_pages_kernel[(self.programs,)](
+            self.src, self.dst, src_index, dst_index, count, self.src.stride(0), self.dst.stride(0),
+            PLANES=self.src.shape[0], PAGE=self.page, CHUNK=self.chunk, num_warps=self.num_warps,
+        )  # fmt: skip
+
+
+def plan_page_copy(src: torch.Tensor, dst: torch.Tensor, config: CopyConfig | None = None) -> PageCopyPlan:
+    """Check ``src`` and ``dst`` (``[planes, pages, *page]`` alike) and shape the kernel's launch for them."""
+    check_page_tensors(src, dst)
+    config = config or CopyConfig()
+    device = dst.device if dst.is_cuda else src.device
+    page = _page_elements(src)
+    return PageCopyPlan(src, dst, config.programs_per_sm * multiprocessors(device), page,
+                        math.gcd(page, config.chunk_elements), config.num_warps)  # fmt: skip
+
+
 def copy_pages(
     src: torch.Tensor,
     dst: torch.Tensor,
@@ -94,14 +125,7 @@ def copy_pages(
     if src_index.numel() == 0:
         return
     if (device.type == "cuda" or triton_interpreted()) and not torch_only:
-        config = config or CopyConfig()
-        page = _page_elements(src)
-        chunk = math.gcd(page, config.chunk_elements)
-        programs = config.programs_per_sm * multiprocessors(device)
-        _copy_pages_kernel[(programs,)](
-            src, dst, src_index, dst_index, count, src.stride(0), dst.stride(0),
-            PLANES=src.shape[0], PAGE=page, CHUNK=chunk, num_warps=config.num_warps,
-        )  # fmt: skip
+        plan_page_copy(src, dst, config).run(src_index, dst_index, count)
         return
     n = int(count.reshape(-1)[0])
     source = src[:, src_index[:n].long().to(src.device)]
