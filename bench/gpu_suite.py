@@ -84,9 +84,10 @@ def stages(results_dir: Path, selected: set[str] | None) -> list[Stage]:
                                     "--long-output-tokens", "63"), 420),
         Stage("offload_copy", bench("offload_copy"), 90),
         Stage("msa_decode", bench("msa_decode"), 420),
-        # The targets' cases, the sweep only where the 7x target is missed (1M x 1).
+        # The targets' cases, the sweep where the 7x target is missed (1M x 1) and at 128K x 8 (split-major scans
+        # over a shared prefix).
         Stage("msa_decode_targets", bench("msa_decode", "--contexts", "131072,1048576", "--batches", "1,8",
-                                          "--sweep-cases", "1048576x1"), 240),
+                                          "--sweep-cases", "1048576x1,131072x8"), 300),
         # 2 GPUs (kind nvidia-h200-x2): one process per test, one after the other, so a hung NCCL group cannot
         # take the next test down with it.
         # The first bf16 test pays FlashInfer's JIT compilation of the M3-dims kernels (~100 s on a fresh machine).

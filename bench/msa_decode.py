@@ -25,7 +25,8 @@ Rows (``rows`` in the JSON, default ``DecodeTuning``):
 * ``index_fp8_us``, ``total_fp8_us``, ``speedup_fp8``: the same layer over an fp8 (e4m3) k-index.
 
 Then, at the sweep cases (1M and 128K, batch 1 and 8): scan programs per SM, scan launch configs,
-fp8 scan configs, attention configs and FlashInfer, store fused or not (``decode_sweep``), and the
+fp8 scan configs, the merge fused or in its own launch, the split-major launch order (at batch > 1 also over
+page tables sharing one prefix), attention configs and FlashInfer, store fused or not (``decode_sweep``), and the
 layer with the fastest index and attention choices (``tuned``).  Every case catches its own failure
 and the JSON is rewritten after each; the tables print last.
 """
@@ -93,6 +94,9 @@ FP8_AHEAD_CONFIGS = [
     (ScanConfig(1, 4, 4, page_ids_ahead=True), 2),
     (ScanConfig(1, 8, 4, page_ids_ahead=True), 2),
 ]
+# Split-major launch order (the same split of every request side by side), timed on the case's own pages and on
+# page tables where every request shares the first request's pages (one agentic prefix) but its last block
+SPLIT_MAJOR = ScanConfig(split_major=True)
 # The default scan with its merge fused, then with the merge as its own launch in fewer warps
 MERGE_CONFIGS = [ScanConfig()] + [ScanConfig(fused_merge=False, merge_warps=warps) for warps in (1, 2, 4)]
 ATTENTION_CONFIGS = [
@@ -264,10 +268,19 @@ def time_dense(case: Case, use_flashinfer: bool) -> Timing:
     return time_layers(lambda layer: backend.dense(layer, *case.layer_args[:3]), case.layers)
 
 
-def time_index(case: Case, plan: SparseDecodePlan, config: ScanConfig, fp8: bool = False) -> float:
+def time_index(case: Case, plan: SparseDecodePlan, config: ScanConfig, fp8: bool = False,
+               metadata: AttentionMetadata | None = None) -> float:  # fmt: skip
     keys = [c.index_key for c in (case.fp8() if fp8 else case.caches)]
-    return time_layers(lambda layer: decode_index_topk(case.index_q, keys[layer], case.metadata, plan, config),
+    metadata = metadata or case.metadata
+    return time_layers(lambda layer: decode_index_topk(case.index_q, keys[layer], metadata, plan, config),
                        case.layers).us  # fmt: skip
+
+
+def shared_prefix_metadata(case: Case) -> AttentionMetadata:
+    """The case's step with every request reading the first request's pages, but for its own last block."""
+    page_table = case.metadata.page_table.clone()
+    page_table[1:, :-1] = page_table[0, :-1]
+    return dataclasses.replace(case.metadata, page_table=page_table)
 
 
 def time_attention(case: Case, plan: SparseDecodePlan, config: TritonDecodeConfig | None,
@@ -407,6 +420,12 @@ def sweep(case: Case, use_flashinfer: bool, deadline: float) -> tuple[list[dict[
                    f"programs_per_sm={programs} splits={plans[programs].scan_splits} {scan_name(config)}",
                    lambda c=config, n=programs, f=fp8: time_index(case, plans[n], c, fp8=f),
                    case.index_bytes // (2 if fp8 else 1))  # fmt: skip
+    record("index", scan_name(SPLIT_MAJOR), lambda: time_index(case, default_plan, SPLIT_MAJOR), case.index_bytes)
+    if case.batch > 1:
+        shared = shared_prefix_metadata(case)
+        for config in (ScanConfig(), SPLIT_MAJOR):
+            record("index_shared_prefix", scan_name(config),
+                   lambda c=config: time_index(case, default_plan, c, metadata=shared), case.index_bytes)  # fmt: skip
     # The merge's serial tail (~10 us at any context, 2026-12-01) fused, or as its own launch in fewer warps.
     for config in MERGE_CONFIGS:
         record("index_merge", scan_name(config), lambda c=config: time_index(case, default_plan, c),
@@ -428,7 +447,7 @@ def sweep(case: Case, use_flashinfer: bool, deadline: float) -> tuple[list[dict[
 def scan_name(config: ScanConfig) -> str:
     name = f"pages={config.pages_per_iteration} warps={config.num_warps} stages={config.num_stages}"
     name += "" if config.fused_merge else f" separate merge warps={config.merge_warps}"
-    return name + (" page ids ahead" if config.page_ids_ahead else "")
+    return name + (" page ids ahead" if config.page_ids_ahead else "") + (" split-major" if config.split_major else "")
 
 
 def attention_name(config: TritonDecodeConfig) -> str:
@@ -448,7 +467,7 @@ def fastest_scan(results: list[dict[str, Any]], defaults: DecodeTuning,
     if not timed:
         return defaults.scan_programs_per_sm, defaults.scan
     variant = min(timed, key=lambda r: r["us"])["variant"]
-    known = SCAN_CONFIGS + [config for config, _ in AHEAD_CONFIGS + FP8_AHEAD_CONFIGS]
+    known = SCAN_CONFIGS + [config for config, _ in AHEAD_CONFIGS + FP8_AHEAD_CONFIGS] + [SPLIT_MAJOR]
     if not variant.startswith("programs_per_sm="):  # a scan config at the default programs per SM
         programs, config_name = defaults.scan_programs_per_sm, variant
     else:

@@ -5,8 +5,8 @@ decode step (one or a few per request).  The cost is the k-index read: ``context
 request and layer (1M tokens, bf16: 256 MiB, ~60 us on an H200), so the kernel streams each
 request's index pages exactly once, at full bandwidth, and does everything else on the fly:
 
-1. Scan, grid ``(splits, R)``: program ``(s, r)`` streams the ``s``-th slice of request ``r``'s
-   candidate pages (the pages before its last token's local blocks).  Per page it computes
+1. Scan, grid ``(splits, R)`` (``(R, splits)`` split-major): program ``(s, r)`` streams the ``s``-th slice
+   of request ``r``'s candidate pages (the pages before its last token's local blocks).  Per page it computes
    ``keys [B, d] @ q [d, N]`` on the tensor cores (keys as the MMA M dimension; the N columns are
    the request's (token, index head) pairs), reduces each column to the block max, and offers it to
    a running top-K per column held in registers.  Each program leaves its K candidates per column
@@ -61,6 +61,10 @@ class ScanConfig:
     # Load the next iteration's page ids during this one, so a key tile's address never waits on a load of
     # the same iteration (the prefill indexer's fix for Triton's pipeliner); off until the H200 sweep says.
     page_ids_ahead: bool = False
+    # Launch order: the same split of every request side by side, instead of every split of one request.  Requests
+    # that share prefix pages (agentic serving: one long prefix, many requests) then read each page while the other
+    # requests' programs for it are resident, from L2 rather than HBM; other batches read what they read before.
+    split_major: bool = False
     # Warps of the merge's own launch (``fused_merge`` off): at one, its 30 sequential rankings reduce within
     # a warp, with no shared-memory round trip and barrier each; it ranks 512 keys a program per warp.  Lists of
     # fewer than 16 slots are merged by 4 warps whatever this says (``_FEW_WARP_MERGE_MIN_SLOTS``).
@@ -216,13 +220,17 @@ def _scan_kernel(
     stride_kt, stride_kh, stride_vt, stride_vh, stride_ikt, stride_cp, stride_ch, stride_cb, stride_ip, stride_ib,
     HIDX: tl.constexpr, D: tl.constexpr, B: tl.constexpr, N: tl.constexpr, CS: tl.constexpr, KP: tl.constexpr,
     SP: tl.constexpr, TOPK: tl.constexpr, TOPK_P: tl.constexpr, KR: tl.constexpr, KR_P: tl.constexpr,
-    LOCAL: tl.constexpr, PAGES: tl.constexpr, PAGE_IDS_AHEAD: tl.constexpr, INPUT_PRECISION: tl.constexpr,
-    MERGE: tl.constexpr,
+    LOCAL: tl.constexpr, PAGES: tl.constexpr, PAGE_IDS_AHEAD: tl.constexpr, SPLIT_MAJOR: tl.constexpr,
+    INPUT_PRECISION: tl.constexpr, MERGE: tl.constexpr,
     FLOOR: tl.constexpr, ST_HKV: tl.constexpr, ST_HKV_P: tl.constexpr, ST_D: tl.constexpr,
     ST_D_P: tl.constexpr, ST_DI: tl.constexpr, ST_DI_P: tl.constexpr, ST_HAS_INDEX: tl.constexpr,
 ):  # fmt: skip
-    split = tl.program_id(0)
-    request = tl.program_id(1)
+    if SPLIT_MAJOR:
+        request = tl.program_id(0)
+        split = tl.program_id(1)
+    else:
+        split = tl.program_id(0)
+        request = tl.program_id(1)
     q_start, q_len, seq_len, num_candidates, per_split = _request_span(query_start_ptr, seq_lens_ptr, request,
                                                                        num_splits, B, LOCAL)  # fmt: skip
     if store != 0:  # noqa: SIM102
@@ -480,13 +488,14 @@ def scan_index_pages(
     )  # fmt: skip
     if plan.num_requests == 0:
         return scan
-    _scan_kernel[(splits, plan.num_requests)](
+    grid = (plan.num_requests, splits) if config.split_major else (splits, plan.num_requests)
+    _scan_kernel[grid](
         index_q, index_key_cache, metadata.page_table, metadata.query_start_loc, metadata.seq_lens, scan.lists,
         scan.heads, plan.scan_counters, plan.row_indptr, scan.selected, plan.page_ids,
         index_q.stride(0), index_q.stride(1), index_key_cache.stride(0), index_key_cache.stride(1),
         metadata.page_table.stride(0), splits, num_tokens, int(new_keys is not None), *store_args,
         D=head_dim, N=max(16, triton.next_power_of_2(num_heads * plan.max_query_len)),
-        PAGES=config.pages_per_iteration, PAGE_IDS_AHEAD=config.page_ids_ahead,
+        PAGES=config.pages_per_iteration, PAGE_IDS_AHEAD=config.page_ids_ahead, SPLIT_MAJOR=config.split_major,
         INPUT_PRECISION="ieee" if index_q.dtype == torch.float32 else "tf32",
         MERGE=scan.merged, **_merge_constexprs(plan, merge), **store_constexprs,
         num_warps=config.num_warps, num_stages=config.num_stages,

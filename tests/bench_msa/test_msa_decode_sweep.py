@@ -8,6 +8,7 @@ from bench.msa_decode import (
     FP8_SCAN_PARTS,
     MERGE_CONFIGS,
     SCAN_CONFIGS,
+    SPLIT_MAJOR,
     fastest_scan,
     scan_name,
 )
@@ -61,4 +62,5 @@ def test_fp8_picks_among_its_own_parts_and_a_faster_separate_merge_applies_to_bo
 
 def test_every_swept_scan_config_has_its_own_name():
     configs = set(SCAN_CONFIGS + [config for config, _ in AHEAD_CONFIGS + FP8_AHEAD_CONFIGS] + MERGE_CONFIGS)
+    configs.add(SPLIT_MAJOR)
     assert len({scan_name(c) for c in configs}) == len(configs)

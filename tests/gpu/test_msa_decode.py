@@ -74,6 +74,7 @@ def check_attention(paged: PagedBatch, q: torch.Tensor, selected: torch.Tensor, 
         (ScanConfig(1, 4, 4, page_ids_ahead=True), 5),
         (ScanConfig(fused_merge=False, merge_warps=1), 512),
         (ScanConfig(fused_merge=False, merge_warps=1), None),
+        (ScanConfig(split_major=True), None),
     ],
     ids=[
         "default",
@@ -83,6 +84,7 @@ def check_attention(paged: PagedBatch, q: torch.Tensor, selected: torch.Tensor, 
         "page-ids-ahead-4-stages",
         "one-warp-merge-512-splits",
         "one-warp-merge",
+        "split-major",
     ],
 )
 def test_index_selection_and_page_ids(batch, config: ScanConfig, splits: int | None) -> None:

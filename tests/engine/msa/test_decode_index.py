@@ -87,6 +87,17 @@ def test_two_local_blocks_wide_topk_and_two_pages_per_step(page_ids_ahead: bool)
     check_against_reference(batch, index_q, shape_for(topk=8, local_blocks=2), splits=2, config=config)
 
 
+def test_split_major_launch_order_selects_the_same_blocks_over_shared_prefix_pages() -> None:
+    """Requests whose page tables share their prefix pages (one agentic prefix), scanned split-major."""
+    batch, index_q = make_batch(torch.float32, seed=37, requests=[(250, 1), (250, 1), (250, 1), (130, 3)])
+    shared = batch.metadata.page_table
+    shared[1:3, :15] = shared[0, :15]  # requests 1 and 2 read request 0's first 15 blocks (their own last one)
+    batch.index_keys[1][: 15 * BLOCK] = batch.index_keys[0][: 15 * BLOCK]
+    batch.index_keys[2][: 15 * BLOCK] = batch.index_keys[0][: 15 * BLOCK]
+    config = ScanConfig(split_major=True)
+    check_against_reference(batch, index_q, shape_for(topk=4, local_blocks=1), splits=3, config=config)
+
+
 def test_page_ids_loaded_ahead_select_the_same_blocks() -> None:
     batch, index_q = make_batch(torch.float16, seed=13)
     config = ScanConfig(page_ids_ahead=True)
