@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from m3stack.engine.attention.backend import AttentionBackend
+from m3stack.engine.model import fused
 from m3stack.engine.model.config import TextConfig
 from m3stack.engine.model.norm import GemmaRMSNorm
 from m3stack.engine.model.params import Linear
@@ -42,16 +43,25 @@ class Attention(nn.Module):
         """``x`` ``[T, hidden]``, cos/sin ``[T, rotary_dim]`` -> ``[T, hidden]``."""
         num_tokens = x.shape[0]
         parts = self.in_proj(x).split(self.split, dim=-1)
-        q = apply_rotary(self.q_norm(parts[0].view(num_tokens, self.num_heads, self.head_dim)), cos, sin)
-        k = apply_rotary(self.k_norm(parts[1].view(num_tokens, self.num_kv_heads, self.head_dim)), cos, sin)
+        q = self._norm_rope(self.q_norm, parts[0].view(num_tokens, self.num_heads, self.head_dim), cos, sin)
+        k = self._norm_rope(self.k_norm, parts[1].view(num_tokens, self.num_kv_heads, self.head_dim), cos, sin)
         v = parts[2].view(num_tokens, self.num_kv_heads, self.head_dim)
         if self.sparse:
             index_cos, index_sin = cos[:, : self.index_head_dim], sin[:, : self.index_head_dim]
-            index_q = self.index_q_norm(parts[3].view(num_tokens, self.index_heads, self.index_head_dim))
-            index_k = self.index_k_norm(parts[4].view(num_tokens, 1, self.index_head_dim))
-            index_q = apply_rotary(index_q, index_cos, index_sin)
-            index_k = apply_rotary(index_k, index_cos, index_sin).view(num_tokens, self.index_head_dim)
+            index_q = parts[3].view(num_tokens, self.index_heads, self.index_head_dim)
+            index_q = self._norm_rope(self.index_q_norm, index_q, index_cos, index_sin)
+            index_k = parts[4].view(num_tokens, 1, self.index_head_dim)
+            index_k = self._norm_rope(self.index_k_norm, index_k, index_cos, index_sin).view(
+                num_tokens, self.index_head_dim
+            )
             out = backend.sparse(self.layer, q, k, v, index_q, index_k)
         else:
             out = backend.dense(self.layer, q, k, v)
         return self.o_proj(out.reshape(num_tokens, self.num_heads * self.head_dim))
+
+    @staticmethod
+    def _norm_rope(norm: GemmaRMSNorm, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """Per-head RMSNorm then partial RoPE of ``[T, H, D]``; one fused kernel on CUDA tensors."""
+        if x.is_cuda:
+            return fused.head_norm_rope(x, norm.weight, cos, sin, norm.eps)
+        return apply_rotary(norm(x), cos, sin)

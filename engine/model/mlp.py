@@ -3,11 +3,16 @@
 import torch
 from torch import nn
 
+from m3stack.engine.model import fused
 from m3stack.engine.model.params import Linear
 
 
 def swiglu_oai(gate_up: torch.Tensor, alpha: float, limit: float) -> torch.Tensor:
-    """``[..., 2I] -> [..., I]``: gate is the first half, up the second (not interleaved as in GPT-OSS)."""
+    """``[..., 2I] -> [..., I]``: gate is the first half, up the second (not interleaved as in GPT-OSS).
+
+    One fused kernel on CUDA tensors (``model.fused``)."""
+    if gate_up.is_cuda:
+        return fused.swiglu_oai(gate_up, alpha, limit)
     gate, up = gate_up.chunk(2, dim=-1)
     gate = gate.clamp(max=limit)
     up = up.clamp(min=-limit, max=limit)

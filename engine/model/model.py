@@ -49,9 +49,23 @@ class DecoderLayer(nn.Module):
                 **args,
             )
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, backend: AttentionBackend) -> torch.Tensor:
-        x = x + self.attn(self.input_norm(x), cos, sin, backend)
-        return x + self.mlp(self.post_attention_norm(x))
+    def forward(
+        self,
+        x: torch.Tensor,
+        residual: torch.Tensor | None,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        backend: AttentionBackend,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``x`` is the previous layer's MLP output (the embeddings for the first layer, with ``residual``
+        None), ``residual`` the stream before it; returns this layer's MLP output and the stream before it.
+        Keeping the add for the next norm lets the two run as one kernel."""
+        if residual is None:
+            residual, hidden = x, self.input_norm(x)
+        else:
+            hidden, residual = self.input_norm.add_forward(x, residual)
+        hidden, residual = self.post_attention_norm.add_forward(self.attn(hidden, cos, sin, backend), residual)
+        return self.mlp(hidden), residual
 
 
 class M3ForServing(nn.Module):
@@ -92,9 +106,10 @@ class M3ForServing(nn.Module):
         if mm_positions is not None or mm_embeds is not None:
             x = self._place_multimodal(x, mm_positions, mm_embeds)
         cos, sin = text_cos_sin(positions, self.inv_freq, x.dtype)
+        residual = None
         for layer in self.layers:
-            x = layer(x, cos, sin, attn)
-        return self.norm(x)
+            x, residual = layer(x, residual, cos, sin, attn)
+        return self.norm(x) if residual is None else self.norm.add_forward(x, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """``[n, hidden]`` -> float32 logits ``[n, vocab]`` (the LM head runs in the model dtype)."""

@@ -1,8 +1,12 @@
-"""Gemma-style RMSNorm, M3's only text norm: normalize in float32, scale by ``1 + weight``, cast back."""
+"""Gemma-style RMSNorm, M3's only text norm: normalize in float32, scale by ``1 + weight``, cast back.
+
+On CUDA tensors the norm (and the residual add before it) runs as one fused kernel (``model.fused``).
+"""
 
 import torch
 from torch import nn
 
+from m3stack.engine.model import fused
 from m3stack.engine.model.params import empty_parameter
 
 
@@ -21,4 +25,13 @@ class GemmaRMSNorm(nn.Module):
         self.weight = empty_parameter(dim, dtype=dtype, device=device)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.is_cuda:
+            return fused.rms_norm(x, self.weight, self.eps)
         return gemma_rms_norm(x, self.weight, self.eps)
+
+    def add_forward(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(norm(x + residual), x + residual)``: the decoder's residual stream, one kernel on the GPU."""
+        if x.is_cuda:
+            return fused.add_rms_norm(x, residual, self.weight, self.eps)
+        summed = x + residual
+        return gemma_rms_norm(summed, self.weight, self.eps), summed

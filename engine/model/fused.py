@@ -1,0 +1,188 @@
+"""The decoder's elementwise ops, one Triton kernel each, for CUDA tensors.
+
+Eager PyTorch runs M3's Gemma RMSNorm as ~8 kernels (cast, square, mean, rsqrt, two scales, cast back), the
+SwiGLU-OAI gate as ~8 and a head group's RMSNorm + partial RoPE as ~20 (norm, slices, negation, two
+concatenations, products, sum).  On the H200 with the serving benchmark's model (M3 attention dims, 8 layers)
+those ~100 launches per layer took a third of the GPU time of an 8192-token prefill step and of a 64-request
+decode step.  Each function here does what its torch twin (``norm.gemma_rms_norm``, ``mlp.swiglu_oai``,
+``rope.apply_rotary`` after a head norm) does, in one pass over the rows, and rounds where the torch ops round
+(to the activations' dtype after every bf16 op), so the fused outputs equal the eager ones except where the
+norm's float32 sum of squares adds in another order.
+
+The callers (``norm.GemmaRMSNorm``, ``mlp``, ``attention``) use these for CUDA tensors and their torch twins
+elsewhere; the tests run both on CPU under ``TRITON_INTERPRET=1`` and compare them.
+"""
+
+import torch
+import triton
+import triton.language as tl
+
+_SWIGLU_BLOCK = 1024
+
+
+@triton.jit
+def _rounded(x, DTYPE: tl.constexpr):
+    """``x`` (float32) rounded to the activations' dtype, where the torch op would store its result.
+
+    bfloat16 rounds to nearest even by hand: Triton's CPU interpreter truncates in ``.to(tl.bfloat16)``
+    (the GPU rounds), so the interpreted tests would otherwise check another function.  A rounded value
+    then converts exactly either way.
+    """
+    if DTYPE == tl.bfloat16:  # noqa: SIM300 (a constexpr test Triton resolves at compile time)
+        bits = x.to(tl.uint32, bitcast=True)
+        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+        return bits.to(tl.float32, bitcast=True)
+    else:
+        return x.to(DTYPE).to(tl.float32)
+
+
+@triton.jit
+def _rms_norm_kernel(
+    x_ptr, residual_ptr, weight_ptr, out_ptr, residual_out_ptr,
+    stride_x, stride_residual, stride_out, stride_residual_out,
+    n, eps,
+    BLOCK: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
+):  # fmt: skip
+    """One row: ``out = x / rms(x) * (1 + weight)``; with a residual, ``x`` is first ``x + residual`` (rounded
+    as torch's add rounds), which is also written to ``residual_out``."""
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < n
+    x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
+    if HAS_RESIDUAL:
+        residual = tl.load(residual_ptr + row * stride_residual + cols, mask=mask, other=0.0)
+        x = _rounded(x.to(tl.float32) + residual.to(tl.float32), x_ptr.dtype.element_ty).to(x_ptr.dtype.element_ty)
+        tl.store(residual_out_ptr + row * stride_residual_out + cols, x, mask=mask)
+    hidden = x.to(tl.float32)
+    inverse_rms = tl.rsqrt(tl.sum(hidden * hidden, axis=0) / n + eps)
+    scale = 1.0 + tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    normed = _rounded(hidden * inverse_rms * scale, out_ptr.dtype.element_ty)
+    tl.store(out_ptr + row * stride_out + cols, normed.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _swiglu_kernel(
+    gate_up_ptr, out_ptr, stride_in, stride_out, intermediate, alpha, limit,
+    BLOCK: tl.constexpr,
+):  # fmt: skip
+    """``(clamp(up) + 1) * g * sigmoid(alpha * g)`` with ``g = min(gate, limit)``; gate is the first half of a row."""
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < intermediate
+    dtype = out_ptr.dtype.element_ty
+    gate = tl.load(gate_up_ptr + row * stride_in + cols, mask=mask, other=0.0).to(tl.float32)
+    up = tl.load(gate_up_ptr + row * stride_in + intermediate + cols, mask=mask, other=0.0).to(tl.float32)
+    gate = tl.minimum(gate, limit)
+    up = tl.minimum(tl.maximum(up, -limit), limit)
+    gain = _rounded(tl.sigmoid(_rounded(gate * alpha, dtype)), dtype)
+    glu = _rounded(gate * gain, dtype)
+    tl.store(out_ptr + row * stride_out + cols, _rounded(_rounded(up + 1.0, dtype) * glu, dtype).to(dtype), mask=mask)
+
+
+@triton.jit
+def _head_norm_rope_kernel(
+    x_ptr, weight_ptr, cos_ptr, sin_ptr, out_ptr,
+    stride_xt, stride_xh, stride_cos, stride_ot, stride_oh,
+    heads, eps,
+    HEADS_P: tl.constexpr, D: tl.constexpr, D_P: tl.constexpr, ROTARY: tl.constexpr,
+):  # fmt: skip
+    """One token's heads: RMSNorm of each head (one weight shared by the heads), rounded, then RoPE in
+    "rotate half" layout on the first ``ROTARY`` channels (each product and the sum rounded)."""
+    token = tl.program_id(0).to(tl.int64)
+    head = tl.arange(0, HEADS_P)[:, None]
+    dim = tl.arange(0, D_P)[None, :]
+    mask = (head < heads) & (dim < D)
+    dtype = out_ptr.dtype.element_ty
+    row = x_ptr + token * stride_xt + head * stride_xh
+    x = tl.load(row + dim, mask=mask, other=0.0).to(tl.float32)
+    inverse_rms = tl.rsqrt(tl.sum(x * x, axis=1) / D + eps)[:, None]
+    normed = _rounded(x * inverse_rms * (1.0 + tl.load(weight_ptr + dim, mask=dim < D).to(tl.float32)), dtype)
+    # The partner of channel i in "rotate half" (i + R/2 or i - R/2), normalized by the same formula.
+    half: tl.constexpr = ROTARY // 2
+    rotary = dim < ROTARY
+    partner = tl.where(dim < half, dim + half, dim - half)
+    partner = tl.where(rotary, partner, dim)
+    x_partner = tl.load(row + partner, mask=mask, other=0.0).to(tl.float32)
+    weight_partner = tl.load(weight_ptr + partner, mask=dim < D).to(tl.float32)
+    normed_partner = _rounded(x_partner * inverse_rms * (1.0 + weight_partner), dtype)
+    signed_partner = tl.where(dim < half, -normed_partner, normed_partner)
+    cos = tl.load(cos_ptr + token * stride_cos + dim, mask=rotary, other=1.0).to(tl.float32)
+    sin = tl.load(sin_ptr + token * stride_cos + dim, mask=rotary, other=0.0).to(tl.float32)
+    rotated = _rounded(_rounded(normed * cos, dtype) + _rounded(signed_partner * sin, dtype), dtype)
+    out = tl.where(rotary, rotated, normed)
+    tl.store(out_ptr + token * stride_ot + head * stride_oh + dim, out.to(dtype), mask=mask)
+
+
+def _row_view(x: torch.Tensor) -> torch.Tensor:
+    """``x`` as ``[rows, n]`` without a copy where its last dimension is contiguous."""
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    return x.reshape(-1, x.shape[-1]) if x.dim() != 2 else x
+
+
+def _norm_warps(block: int) -> int:
+    return 4 if block <= 1024 else 8 if block <= 4096 else 16
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """``norm.gemma_rms_norm`` over the last dimension, one program per row."""
+    rows = _row_view(x)
+    out = torch.empty(rows.shape, dtype=x.dtype, device=x.device)
+    block = triton.next_power_of_2(rows.shape[1])
+    _rms_norm_kernel[(rows.shape[0],)](
+        rows, rows, weight, out, out, rows.stride(0), rows.stride(0), out.stride(0), out.stride(0),
+        rows.shape[1], eps, BLOCK=block, HAS_RESIDUAL=False, num_warps=_norm_warps(block),
+    )  # fmt: skip
+    return out.view(x.shape)
+
+
+def add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(gemma_rms_norm(x + residual), x + residual)`` for ``[T, n]`` tensors, in one pass."""
+    if x.shape != residual.shape or x.dim() != 2:
+        raise ValueError(f"x {tuple(x.shape)} and residual {tuple(residual.shape)} must be the same [T, n]")
+    x, residual = _row_view(x), _row_view(residual)
+    out = torch.empty_like(x)
+    summed = torch.empty_like(x)
+    block = triton.next_power_of_2(x.shape[1])
+    _rms_norm_kernel[(x.shape[0],)](
+        x, residual, weight, out, summed, x.stride(0), residual.stride(0), out.stride(0), summed.stride(0),
+        x.shape[1], eps, BLOCK=block, HAS_RESIDUAL=True, num_warps=_norm_warps(block),
+    )  # fmt: skip
+    return out, summed
+
+
+def swiglu_oai(gate_up: torch.Tensor, alpha: float, limit: float) -> torch.Tensor:
+    """``mlp.swiglu_oai`` of ``[..., 2I]`` -> ``[..., I]``."""
+    rows = _row_view(gate_up)
+    intermediate = rows.shape[1] // 2
+    out = torch.empty((rows.shape[0], intermediate), dtype=gate_up.dtype, device=gate_up.device)
+    if rows.shape[0]:
+        grid = (rows.shape[0], triton.cdiv(intermediate, _SWIGLU_BLOCK))
+        _swiglu_kernel[grid](rows, out, rows.stride(0), out.stride(0), intermediate, alpha, limit,
+                             BLOCK=_SWIGLU_BLOCK, num_warps=4)  # fmt: skip
+    return out.view(*gate_up.shape[:-1], intermediate)
+
+
+def head_norm_rope(
+    x: torch.Tensor, weight: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, eps: float
+) -> torch.Tensor:
+    """``apply_rotary(gemma_rms_norm(x, weight, eps), cos, sin)`` for ``x`` ``[T, H, D]`` (any strides with a
+    contiguous last dimension, e.g. a slice of the fused projection) -> a contiguous ``[T, H, D]``."""
+    num_tokens, heads, head_dim = x.shape
+    rotary = cos.shape[-1]
+    if rotary % 2 or rotary > head_dim:
+        raise ValueError(f"rotary dim {rotary} must be even and at most the head dim {head_dim}")
+    if cos.shape != (num_tokens, rotary) or sin.shape != cos.shape or cos.stride() != sin.stride():
+        raise ValueError(f"cos {tuple(cos.shape)} and sin {tuple(sin.shape)} must both be [{num_tokens}, R]")
+    if x.stride(-1) != 1 or cos.stride(-1) != 1:
+        raise ValueError("x and cos/sin need a contiguous last dimension")
+    out = torch.empty((num_tokens, heads, head_dim), dtype=x.dtype, device=x.device)
+    if num_tokens:
+        heads_p, dims_p = triton.next_power_of_2(heads), triton.next_power_of_2(head_dim)
+        _head_norm_rope_kernel[(num_tokens,)](
+            x, weight, cos, sin, out, x.stride(0), x.stride(1), cos.stride(0), out.stride(0), out.stride(1),
+            heads, eps, HEADS_P=heads_p, D=head_dim, D_P=dims_p, ROTARY=rotary, num_warps=_norm_warps(heads_p * dims_p),
+        )  # fmt: skip
+    return out

@@ -1,0 +1,89 @@
+"""The fused decoder kernels (Triton, interpreted on CPU) against their eager torch twins."""
+
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")  # before any kernel module is imported
+
+import pytest
+import torch
+
+from m3stack.engine.model import fused
+from m3stack.engine.model.mlp import swiglu_oai
+from m3stack.engine.model.norm import gemma_rms_norm
+from m3stack.engine.model.rope import apply_rotary, inverse_frequencies, text_cos_sin
+
+DTYPES = [torch.float32, torch.bfloat16]
+
+
+def random(*shape: int, seed: int, scale: float = 1.0) -> torch.Tensor:
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)) * scale
+
+
+def assert_norm_close(actual: torch.Tensor, expected: torch.Tensor) -> None:
+    """Equal up to the float32 sum of squares' order: bf16 results may differ by one rounding step."""
+    if expected.dtype == torch.bfloat16:
+        torch.testing.assert_close(actual.float(), expected.float(), rtol=2**-7, atol=1e-6)
+        assert (actual != expected).float().mean() < 0.02, "more than a few rows' roundings differ"
+    else:
+        torch.testing.assert_close(actual, expected, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("width", [40, 96])
+def test_rms_norm_matches_torch_on_strided_rows(dtype: torch.dtype, width: int) -> None:
+    wide = random(6, width + 8, seed=1, scale=3.0).to(dtype)
+    x = wide[:, 4 : 4 + width]  # rows strided wider than they are long
+    weight = random(width, seed=2, scale=0.5).to(dtype)
+    assert_norm_close(fused.rms_norm(x, weight, 1e-6), gemma_rms_norm(x, weight, 1e-6))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_add_rms_norm_returns_the_exact_sum_and_its_norm(dtype: torch.dtype) -> None:
+    x, residual = random(7, 48, seed=3).to(dtype), random(7, 48, seed=4, scale=10.0).to(dtype)
+    weight = random(48, seed=5, scale=0.5).to(dtype)
+    normed, summed = fused.add_rms_norm(x, residual, weight, 1e-5)
+    assert torch.equal(summed, x + residual)
+    assert_norm_close(normed, gemma_rms_norm(x + residual, weight, 1e-5))
+
+
+def test_add_rms_norm_refuses_mismatched_shapes() -> None:
+    with pytest.raises(ValueError, match="must be the same"):
+        fused.add_rms_norm(torch.zeros(3, 8), torch.zeros(3, 16), torch.zeros(8), 1e-6)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_swiglu_matches_torch_with_values_past_the_clamp(dtype: torch.dtype) -> None:
+    # 3 rows of 2 x 1100: two column blocks, the second partial; scale 6 puts many values past limit 7.
+    gate_up = random(3, 2200, seed=6, scale=6.0).to(dtype)
+    expected = swiglu_oai(gate_up, 1.702, 7.0)
+    actual = fused.swiglu_oai(gate_up, 1.702, 7.0)
+    assert actual.shape == (3, 1100)
+    if dtype == torch.bfloat16:
+        # Rounded where eager rounds: equal except where float32 exp differs in its last bit at a rounding edge.
+        assert (actual != expected).float().mean() < 1e-3
+        torch.testing.assert_close(actual, expected, rtol=2**-7, atol=0)
+    else:
+        torch.testing.assert_close(actual, expected, rtol=1e-6, atol=1e-6)
+    assert fused.swiglu_oai(gate_up[:0], 1.702, 7.0).shape == (0, 1100)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("heads", "head_dim", "rotary"), [(3, 32, 16), (1, 24, 12), (5, 16, 16)])
+def test_head_norm_rope_matches_norm_then_rotary(dtype: torch.dtype, heads: int, head_dim: int, rotary: int) -> None:
+    num_tokens = 6
+    # A slice of a fused projection's output, as the attention layer passes it.
+    projection = random(num_tokens, heads * head_dim + 40, seed=7, scale=2.0).to(dtype)
+    x = projection[:, 8 : 8 + heads * head_dim].view(num_tokens, heads, head_dim)
+    weight = random(head_dim, seed=8, scale=0.5).to(dtype)
+    positions = torch.tensor([0, 1, 2, 17, 4095, 70000])
+    cos, sin = text_cos_sin(positions, inverse_frequencies(rotary, 5e6), dtype)
+    expected = apply_rotary(gemma_rms_norm(x, weight, 1e-6), cos, sin)
+    actual = fused.head_norm_rope(x, weight, cos, sin, 1e-6)
+    assert actual.is_contiguous() and actual.shape == expected.shape
+    assert_norm_close(actual, expected)
+
+
+def test_head_norm_rope_refuses_an_odd_rotary_width() -> None:
+    cos = torch.ones(2, 5)
+    with pytest.raises(ValueError, match="must be even"):
+        fused.head_norm_rope(torch.zeros(2, 1, 8), torch.zeros(8), cos, cos, 1e-6)
