@@ -1,0 +1,48 @@
+"""The fused decoder kernels on the GPU at M3 sizes against the eager torch ops they replace, on the same GPU."""
+
+import pytest
+import torch
+
+from m3stack.engine.model import fused
+from m3stack.engine.model.mlp import swiglu_oai
+from m3stack.engine.model.norm import gemma_rms_norm
+from m3stack.engine.model.rope import apply_rotary, inverse_frequencies, text_cos_sin
+
+DEVICE = "cuda"
+
+
+def random(*shape: int, seed: int, scale: float) -> torch.Tensor:
+    generator = torch.Generator(device=DEVICE).manual_seed(seed)
+    return (torch.randn(*shape, generator=generator, device=DEVICE) * scale).to(torch.bfloat16)
+
+
+def differing(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    assert actual.shape == expected.shape and actual.dtype == expected.dtype
+    return (actual != expected).float().mean().item()
+
+
+@pytest.mark.parametrize("num_tokens", [1, 64, 8192])
+def test_norms_and_swiglu_equal_eager_bf16(num_tokens: int) -> None:
+    x, residual = random(num_tokens, 6144, seed=1, scale=2.0), random(num_tokens, 6144, seed=2, scale=20.0)
+    weight = random(6144, seed=3, scale=0.3)
+    # The sum of squares adds in another order than torch's reduction: a rare last-bit difference.
+    assert differing(fused.rms_norm(x, weight, 1e-6), gemma_rms_norm(x, weight, 1e-6)) < 1e-3
+    normed, summed = fused.add_rms_norm(x, residual, weight, 1e-6)
+    assert torch.equal(summed, x + residual)
+    assert differing(normed, gemma_rms_norm(x + residual, weight, 1e-6)) < 1e-3
+    gate_up = random(num_tokens, 2 * 12288, seed=4, scale=6.0)
+    assert differing(fused.swiglu_oai(gate_up, 1.702, 7.0), swiglu_oai(gate_up, 1.702, 7.0)) < 1e-4
+
+
+@pytest.mark.parametrize("num_tokens", [1, 8192])
+def test_head_norm_rope_equals_eager_bf16_on_projection_slices(num_tokens: int) -> None:
+    # The fused projection of an MSA layer: q (64 x 128), k, v (4 x 128), index q (4 x 128), index k (128).
+    projection = random(num_tokens, 64 * 128 + 3 * 512 + 128, seed=5, scale=2.0)
+    q = projection[:, : 64 * 128].view(num_tokens, 64, 128)
+    index_k = projection[:, -128:].view(num_tokens, 1, 128)
+    positions = torch.randint(0, 1 << 20, (num_tokens,), device=DEVICE)
+    cos, sin = text_cos_sin(positions, inverse_frequencies(64, 5e6), torch.bfloat16)
+    for x, seed in ((q, 6), (index_k, 7)):
+        weight = random(128, seed=seed, scale=0.3)
+        expected = apply_rotary(gemma_rms_norm(x, weight, 1e-6), cos, sin)
+        assert differing(fused.head_norm_rope(x, weight, cos, sin, 1e-6), expected) < 1e-3
