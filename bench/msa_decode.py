@@ -15,7 +15,8 @@ keep the method of earlier runs (one graph of one pass per replay, launch latenc
 
 Rows (``rows`` in the JSON, default ``DecodeTuning``):
 
-* ``index_us``: ``decode_index_topk`` in the default launch (the scan, then the merge in one-warp programs);
+* ``index_us``: ``decode_index_topk`` in the default launch (``DecodeTuning.scan_for`` the batch: the merge
+  fused into the scan, at batch 1 in its own one-warp launch);
   ``scan_us``: the scan alone, and ``merge_us``: that merge alone; ``index_fused_us``: the scan with the
   merge fused into its last program per request; ``index_scan_tbps``: k-index bytes / ``index_us``;
 * ``attn_us``: the Triton sparse attention over the selected pages; ``attn_fi_us``: FlashInfer's;
@@ -328,7 +329,7 @@ def measure(case: Case, use_flashinfer: bool) -> dict[str, Any]:
     row: dict[str, Any] = {"context": case.context, "batch": case.batch, "layers": case.layers}
     plan = plan_sparse_decode(metadata, M3, device)
     row["scan_splits"] = plan.scan_splits
-    default_scan = DecodeTuning().scan
+    default_scan = DecodeTuning().scan_for(case.batch, fp8_index=False)
     row["index_us"] = time_index(case, plan, default_scan)
     row["index_scan_tbps"] = case.index_bytes / (row["index_us"] * 1e-6) / 1e12
     row["index_fused_us"] = time_index(case, plan, ScanConfig())
@@ -361,7 +362,7 @@ def measure(case: Case, use_flashinfer: bool) -> dict[str, Any]:
     dense = time_dense(case, use_flashinfer)
     row["dense_us"], row["dense_1replay_us"] = dense.us, dense.single_replay_us
     row["speedup"] = row["dense_us"] / row["total_us"]
-    row["index_fp8_us"] = time_index(case, plan, DecodeTuning().fp8_scan, fp8=True)
+    row["index_fp8_us"] = time_index(case, plan, DecodeTuning().scan_for(case.batch, fp8_index=True), fp8=True)
     row["index_fp8_tbps"] = case.index_bytes / 2 / (row["index_fp8_us"] * 1e-6) / 1e12
     row["total_fp8_us"] = time_layer(case, DecodeTuning(), use_flashinfer, fp8=True).us
     row["speedup_fp8"] = row["dense_us"] / row["total_fp8_us"]
@@ -502,7 +503,8 @@ def tuned_layer(case: Case, results: list[dict[str, Any]], use_flashinfer: bool,
     fused_store = layer_times.get("separate store", math.inf) >= min(layer_times.values(), default=math.inf)
     tuning = DecodeTuning(scan=scan, scan_programs_per_sm=programs,
                           attention="flashinfer" if attention == "flashinfer" else "triton",
-                          triton_attention=triton_config, fused_store=fused_store)  # fmt: skip
+                          triton_attention=triton_config, fused_store=fused_store,
+                          single_request_merge_warps=None)  # the sweep's merge choice is in ``scan``  # fmt: skip
     fp8_tuning = dataclasses.replace(tuning, fp8_scan=fp8_scan, scan_programs_per_sm=fp8_programs)
     entry: dict[str, Any] = {"context": case.context, "batch": case.batch, "scan_programs_per_sm": programs,
                              "scan": scan_name(scan), "attention": attention, "fused_store": fused_store,

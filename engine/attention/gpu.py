@@ -269,7 +269,7 @@ class GpuAttentionBackend:
         scale = q.shape[-1] ** -0.5
         if step.decode is not None:
             new_keys = NewKeys(cache, metadata.slot_mapping, k, v, index_k) if scan_stores else None
-            scan = tuning.fp8_scan if cache.index_key.dtype == torch.float8_e4m3fn else tuning.scan
+            scan = tuning.scan_for(metadata.num_requests, cache.index_key.dtype == torch.float8_e4m3fn)
             decode_index_topk(index_q, cache.index_key, metadata, step.decode, scan, new_keys)
             if self.offload is not None:
                 self.offload.resolve_decode(layer, step.decode, metadata)

@@ -8,7 +8,9 @@ The defaults are the expected fastest (reasoning below; the benchmark's ``decode
   (``ScanConfig(fused_merge=False, merge_warps=1)``) is faster at batch 1 and slower at batch 8 (H200,
   2026-12-01: 1M x 1 index 72.9 against 77.3 us, 128K x 1 20.0 against 22.7, 128K x 8 82.6 against 74.7),
   and made the default it broke the GPU suite's tiny-model engine tests (lists of 4 slots, see
-  ``decode_index._FEW_WARP_MERGE_MIN_SLOTS``), so it stays an option;
+  ``decode_index._FEW_WARP_MERGE_MIN_SLOTS``, now always merged by 4 warps).  So a decode batch of one
+  request (a single long conversation, where the layer's latency is the step's) merges in its own one-warp
+  launch (``single_request_merge_warps``) and larger batches keep the fused merge;
 * three scan programs per SM (their shared memory allows three; one wave, no tail), an fp8 k-index's scan
   at 2 stages (its registers allow three programs per SM only there);
 * the Triton split-K attention with the splits combined in each row's last program: one launch and no
@@ -17,7 +19,7 @@ The defaults are the expected fastest (reasoning below; the benchmark's ``decode
 * the scan storing the step's new keys in pure-decode steps (saves the store's own launch).
 """
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Literal
 
 from m3stack.engine.msa.decode_attention import TritonDecodeConfig
@@ -34,6 +36,8 @@ class DecodeTuning:
     # registers a thread (2 programs per SM, so 3 per SM run in two waves) and at 2 stages 158 (3 per SM).
     fp8_scan: ScanConfig = field(default_factory=lambda: ScanConfig(num_stages=2))
     scan_programs_per_sm: int = SCAN_PROGRAMS_PER_SM
+    # Warps of the merge's own launch when a decode batch has one request; None: as ``scan`` / ``fp8_scan`` say.
+    single_request_merge_warps: int | None = 1
     # "flashinfer" where FlashInfer serves the cache (CUDA, fp16/bf16), else the Triton kernel.
     attention: DecodeAttentionKernel = "triton"
     triton_attention: TritonDecodeConfig = field(default_factory=TritonDecodeConfig)
@@ -45,3 +49,12 @@ class DecodeTuning:
             raise ValueError(f"attention must be 'triton' or 'flashinfer', not {self.attention!r}")
         if self.scan_programs_per_sm < 1:
             raise ValueError(f"scan_programs_per_sm must be >= 1, got {self.scan_programs_per_sm}")
+        if self.single_request_merge_warps is not None:
+            ScanConfig(fused_merge=False, merge_warps=self.single_request_merge_warps)  # validates the count
+
+    def scan_for(self, num_requests: int, fp8_index: bool) -> ScanConfig:
+        """The scan of a decode batch of ``num_requests`` over a bf16 or fp8 k-index."""
+        scan = self.fp8_scan if fp8_index else self.scan
+        if num_requests == 1 and self.single_request_merge_warps is not None:
+            return replace(scan, fused_merge=False, merge_warps=self.single_request_merge_warps)
+        return scan

@@ -121,3 +121,18 @@ def test_decode_buffers_per_batch_size_stay_bounded(monkeypatch: pytest.MonkeyPa
     steps = [{0: 6, 1: 3, 2: 2}, {0: 1}, {0: 1, 1: 1}, {0: 1, 1: 1, 2: 1}, {0: 1}, {1: 1, 2: 1}]
     backend = run_and_compare(steps, num_q_heads=HQ, seed=6)
     assert len(backend._decode_slots) == 2
+
+
+def test_one_request_decode_merges_in_its_own_launch(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A decode batch of one request takes ``DecodeTuning.single_request_merge_warps``; larger ones the fused merge;
+    both give the reference backend's outputs."""
+    seen = []
+    real = gpu_backend.decode_index_topk
+
+    def recording(index_q, index_key, metadata, plan, scan, *args):
+        seen.append((metadata.num_requests, scan.fused_merge, scan.merge_warps))
+        return real(index_q, index_key, metadata, plan, scan, *args)
+
+    monkeypatch.setattr(gpu_backend, "decode_index_topk", recording)
+    run_and_compare([{0: 40, 1: 20}, {0: 1}, {0: 1, 1: 1}], num_q_heads=HQ, seed=8)
+    assert seen == [(1, False, 1), (2, True, 4)]
