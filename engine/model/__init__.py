@@ -13,7 +13,8 @@ What the engine runtime uses::
     logits = model.compute_logits(hidden[logits_indices])           # float32 [n, vocab]
 
 Modules: ``config`` (config.json -> ``M3Config``), ``weights`` (checkpoint tensor names -> parameters),
-``loader``, ``model`` (``M3ForServing``), ``attention`` / ``moe`` / ``mlp`` / ``norm`` / ``rope`` (decoder parts),
+``loader``, ``model`` (``M3ForServing``), ``attention`` / ``moe`` / ``mlp`` / ``norm`` / ``rope`` (decoder parts;
+``fused``: their elementwise ops as one Triton kernel each, used on CUDA tensors),
 ``vision`` + ``projector``, ``tiny`` + ``tiny_tokenizer`` (the random-weight default model), ``cli``
 (``m3stack model init-tiny | inspect``).
 """
