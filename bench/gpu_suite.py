@@ -78,6 +78,11 @@ def stages(results_dir: Path, selected: set[str] | None) -> list[Stage]:
         Stage("serving_ab", bench("serving", "--name", "serving_ab", "--budget-s", "480", "--configs", "a,b",
                                   "--concurrency", "1,16,64", "--output-tokens", "512", "--requests-per-point", "2",
                                   "--long-context", "0"), 500),
+        # The same with the shared-page index scan (the 60K prefix's k-index read once per group of 4 requests).
+        Stage("serving_ab_shared", bench("serving", "--name", "serving_ab_shared", "--budget-s", "480", "--configs",
+                                         "a,b", "--concurrency", "1,16,64", "--output-tokens", "512",
+                                         "--requests-per-point", "2", "--long-context", "0", "--shared-page-scan"),
+              500),
         Stage("serving_long", bench("serving", "--name", "serving_long", "--budget-s", "400", "--configs", "a,d",
                                     "--concurrency", "1",
                                     "--output-tokens", "64", "--requests-per-point", "2", "--long-context", "262144",

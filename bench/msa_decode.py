@@ -26,10 +26,10 @@ Rows (``rows`` in the JSON, default ``DecodeTuning``):
 * ``index_fp8_us``, ``total_fp8_us``, ``speedup_fp8``: the same layer over an fp8 (e4m3) k-index.
 
 Then, at the sweep cases (1M and 128K, batch 1 and 8): scan programs per SM, scan launch configs,
-fp8 scan configs, the merge fused or in its own launch, the split-major launch order (at batch > 1 also over
-page tables sharing one prefix), attention configs and FlashInfer, store fused or not (``decode_sweep``), and the
-layer with the fastest index and attention choices (``tuned``).  Every case catches its own failure
-and the JSON is rewritten after each; the tables print last.
+fp8 scan configs, the merge fused or in its own launch, the split-major launch order and shared-page scans (at
+batch > 1 also over page tables sharing one prefix), attention configs and FlashInfer, store fused or not
+(``decode_sweep``), and the layer with the fastest index and attention choices (``tuned``).  Every case catches
+its own failure and the JSON is rewritten after each; the tables print last.
 """
 
 import argparse
@@ -98,6 +98,9 @@ FP8_AHEAD_CONFIGS = [
 # Split-major launch order (the same split of every request side by side), timed on the case's own pages and on
 # page tables where every request shares the first request's pages (one agentic prefix) but its last block
 SPLIT_MAJOR = ScanConfig(split_major=True)
+# Shared-page scans (a program scores a split's pages for up to 4 / 16 requests holding the same pages), timed on the
+# same two page tables: on the case's own pages they only add the page-id comparisons
+SHARED_PAGES = [ScanConfig(shared_pages=True), ScanConfig(shared_pages=True, shared_group=16)]
 # The default scan with its merge fused, then with the merge as its own launch in fewer warps
 MERGE_CONFIGS = [ScanConfig()] + [ScanConfig(fused_merge=False, merge_warps=warps) for warps in (1, 2, 4)]
 ATTENTION_CONFIGS = [
@@ -421,12 +424,18 @@ def sweep(case: Case, use_flashinfer: bool, deadline: float) -> tuple[list[dict[
                    f"programs_per_sm={programs} splits={plans[programs].scan_splits} {scan_name(config)}",
                    lambda c=config, n=programs, f=fp8: time_index(case, plans[n], c, fp8=f),
                    case.index_bytes // (2 if fp8 else 1))  # fmt: skip
-    record("index", scan_name(SPLIT_MAJOR), lambda: time_index(case, default_plan, SPLIT_MAJOR), case.index_bytes)
+    # Each config with the plan the engine would make for it (a shared-page scan's plan has finer splits).
+    config_plans = {config: plan_sparse_decode(metadata, M3, device,
+                                               scan_programs_per_sm=DecodeTuning(scan=config).planned_programs_per_sm)
+                    for config in (ScanConfig(), SPLIT_MAJOR, *SHARED_PAGES)}  # fmt: skip
+    for config in (SPLIT_MAJOR, *SHARED_PAGES):
+        record("index", scan_name(config), lambda c=config: time_index(case, config_plans[c], c), case.index_bytes)
     if case.batch > 1:
         shared = shared_prefix_metadata(case)
-        for config in (ScanConfig(), SPLIT_MAJOR):
+        for config in config_plans:
             record("index_shared_prefix", scan_name(config),
-                   lambda c=config: time_index(case, default_plan, c, metadata=shared), case.index_bytes)  # fmt: skip
+                   lambda c=config: time_index(case, config_plans[c], c, metadata=shared),
+                   case.index_bytes)  # fmt: skip
     # The merge's serial tail (~10 us at any context, 2026-12-01) fused, or as its own launch in fewer warps.
     for config in MERGE_CONFIGS:
         record("index_merge", scan_name(config), lambda c=config: time_index(case, default_plan, c),
@@ -448,7 +457,8 @@ def sweep(case: Case, use_flashinfer: bool, deadline: float) -> tuple[list[dict[
 def scan_name(config: ScanConfig) -> str:
     name = f"pages={config.pages_per_iteration} warps={config.num_warps} stages={config.num_stages}"
     name += "" if config.fused_merge else f" separate merge warps={config.merge_warps}"
-    return name + (" page ids ahead" if config.page_ids_ahead else "") + (" split-major" if config.split_major else "")
+    name += (" page ids ahead" if config.page_ids_ahead else "") + (" split-major" if config.split_major else "")
+    return name + (f" shared pages group={config.shared_group}" if config.shared_pages else "")
 
 
 def attention_name(config: TritonDecodeConfig) -> str:
@@ -468,7 +478,7 @@ def fastest_scan(results: list[dict[str, Any]], defaults: DecodeTuning,
     if not timed:
         return defaults.scan_programs_per_sm, defaults.scan
     variant = min(timed, key=lambda r: r["us"])["variant"]
-    known = SCAN_CONFIGS + [config for config, _ in AHEAD_CONFIGS + FP8_AHEAD_CONFIGS] + [SPLIT_MAJOR]
+    known = SCAN_CONFIGS + [config for config, _ in AHEAD_CONFIGS + FP8_AHEAD_CONFIGS] + [SPLIT_MAJOR, *SHARED_PAGES]
     if not variant.startswith("programs_per_sm="):  # a scan config at the default programs per SM
         programs, config_name = defaults.scan_programs_per_sm, variant
     else:

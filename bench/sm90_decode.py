@@ -57,6 +57,22 @@ def decode_builds() -> Iterator[KernelBuild]:
                          MERGE=True, **merge, **store),
                     config.num_warps, config.num_stages,
                 )  # fmt: skip
+    # The shared-page scan (bf16 keys, as the engine's option runs it) at groups of 4 and 16 requests.
+    shared_pointers = {name: pointers[name] for name in ("q_ptr", "page_table_ptr", "query_start_ptr", "seq_lens_ptr",
+                                                         "list_ptr", "head_ptr", "slot_ptr", "k_ptr", "v_ptr",
+                                                         "ik_ptr", "key_cache_ptr", "value_cache_ptr")}  # fmt: skip
+    shared_pointers.update(key_ptr="*bf16", index_cache_ptr="*bf16")
+    for config in bench.SHARED_PAGES:
+        columns = max(16, shape.num_kv_heads * config.shared_group)
+        yield KernelBuild(
+            f"shared-page scan bf16 {bench.scan_name(config)}", decode_index._shared_scan_kernel, shared_pointers,
+            dict(HIDX=shape.num_kv_heads, D=shape.index_head_dim, B=shape.block_size, N=columns,
+                 CS=shape.num_kv_heads, KP=merge["KP"], GROUP=config.shared_group, LOCAL=shape.local_blocks,
+                 PAGES=config.pages_per_iteration, PAGE_IDS_AHEAD=config.page_ids_ahead,
+                 SPLIT_MAJOR=config.split_major, INPUT_PRECISION="tf32", CHUNK=decode_index._PAGE_COMPARE_CHUNK,
+                 **store),
+            config.num_warps, config.num_stages,
+        )  # fmt: skip
     merge_pointers = dict(list_ptr="*i64", head_ptr="*i64", page_table_ptr="*i32", query_start_ptr="*i32",
                           seq_lens_ptr="*i32", row_indptr_ptr="*i32", selected_ptr="*i32",
                           page_ids_ptr="*i32")  # fmt: skip

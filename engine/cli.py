@@ -106,6 +106,10 @@ def add_arguments(opts: OptionGroup) -> None:
         "attention on the same backend (a baseline); naive = the plain-PyTorch reference, gather + query-major "
         "(auto on cpu)",
     )
+    opts.flag(
+        "--msa-shared-page-scan",
+        help="MSA decode: score the pages several requests share (one prompt prefix) once for them in the index scan",
+    )
     opts.add(
         "--tensor-parallel",
         type=options.positive_int,
@@ -179,6 +183,7 @@ def run(args: argparse.Namespace) -> int:
             async_scheduling=False if args.disable_async_scheduling else None,
             cpu_threads=args.cpu_threads,
             attention=args.attention,
+            msa_shared_page_scan=args.msa_shared_page_scan,
             kv_offload_gb=args.kv_offload_gb,
             kv_offload_hot_blocks=args.kv_offload_hot_blocks,
             seed=args.seed,

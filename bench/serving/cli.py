@@ -112,6 +112,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--long-output-tokens", type=int, default=256)
     p.add_argument("--long-configs", type=_config_list, default=["d", "a"])
     p.add_argument(
+        "--shared-page-scan",
+        action="store_true",
+        help="the MSA configs' decode indexer scans pages the requests share once per group of them",
+    )
+    p.add_argument(
         "--msa-attention",
         default=None,
         help="attention of configs a and d (default: msa on cuda, auto = the reference backend on cpu)",

@@ -86,7 +86,8 @@ class Bench:
         return EngineConfig(device=self.device.type, dtype=str(self.dtype).removeprefix("torch."),
                             max_num_seqs=max_num_seqs, max_num_batched_tokens=self.args.max_num_batched_tokens,
                             max_model_len=max_model_len, num_kv_blocks=device_blocks, attention=self.attention(name),
-                            kv_offload_gb=offload_gb, seed=self.args.seed)  # fmt: skip
+                            kv_offload_gb=offload_gb, seed=self.args.seed,
+                            msa_shared_page_scan=self.args.shared_page_scan)  # fmt: skip
 
     def attention(self, name: str) -> str:
         attention = CONFIGS[name][0]

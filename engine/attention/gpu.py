@@ -216,7 +216,7 @@ class GpuAttentionBackend:
         offload_prefill = self.offload is not None and self.offload.needs_prefill_path()
         max_query_len = 1 if slot is not None else metadata.max_query_len
         if shape is not None and max_query_len * num_kv_heads <= MAX_DECODE_COLUMNS and not offload_prefill:
-            programs_per_sm = self.decode_tuning.scan_programs_per_sm
+            programs_per_sm = self.decode_tuning.planned_programs_per_sm
             decode = plan_sparse_decode(metadata, shape, self.device, buffers=buffers,
                                         scan_programs_per_sm=programs_per_sm)  # fmt: skip
             if sparse_fi is not None:

@@ -172,7 +172,8 @@ def _profile_peak_bytes(config: EngineConfig, model: ShardedM3, device: torch.de
     torch.cuda.reset_peak_memory_stats(device)
     caches = allocate_kv_cache(spec, pages + 1, device)
     cache_bytes = torch.cuda.memory_allocated(device) - before
-    backend = make_attention_backend(caches, model.local_config(), device, mode=config.attention)
+    backend = make_attention_backend(caches, model.local_config(), device, mode=config.attention,
+                                     shared_page_scan=config.msa_shared_page_scan)  # fmt: skip
     starts = torch.tensor([0, tokens], dtype=torch.int32)
     lens = torch.tensor([tokens], dtype=torch.int32)
     positions = torch.arange(tokens, device=device)
@@ -246,7 +247,7 @@ def run_worker(config: EngineConfig, rank: int, local_rank: int) -> None:
     else:
         caches = allocate_kv_cache(spec, state.num_blocks, state.device)
     backend = make_attention_backend(caches, state.model.local_config(), state.device, mode=config.attention,
-                                     offload=offload)  # fmt: skip
+                                     offload=offload, shared_page_scan=config.msa_shared_page_scan)  # fmt: skip
     serve_steps(state.model, backend, state.channel, offload)
     dist.destroy_process_group()
 

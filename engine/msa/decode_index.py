@@ -69,10 +69,18 @@ class ScanConfig:
     # a warp, with no shared-memory round trip and barrier each; it ranks 512 keys a program per warp.  Lists of
     # fewer than 16 slots are merged by 4 warps whatever this says (``_FEW_WARP_MERGE_MIN_SLOTS``).
     merge_warps: int = 4
+    # Scan pages that several requests share (one agentic prefix) once for all of them: a program scores a split's
+    # key tiles for up to ``shared_group`` consecutive requests whose page tables hold the same pages over that
+    # split, in the MMA columns one decode request leaves unused (1 token x 4 index heads of 16).  Splits then
+    # cover the same blocks in every request (sized from the page table's width), and the merge is its own launch.
+    shared_pages: bool = False
+    shared_group: int = 4
 
     def __post_init__(self) -> None:
         if self.merge_warps not in (1, 2, 4, 8):
             raise ValueError(f"merge_warps must be 1, 2, 4 or 8, got {self.merge_warps}")
+        if self.shared_group < 1 or self.shared_group & (self.shared_group - 1) or self.shared_group > 16:
+            raise ValueError(f"shared_group must be a power of two from 1 to 16, got {self.shared_group}")
 
 
 # Columns of the scan's MMA: at least 16 (tensor-core minimum); (tokens x index heads) beyond
@@ -86,6 +94,8 @@ _MIN_MERGE_COLUMNS = 4
 # Int64 keys a merge program ranks at once (heads of all splits x its columns) per warp: 16 per thread.
 # More columns than fit the scan's program (4 warps) are merged in a second launch.
 _MERGE_KEYS_PER_WARP = 512
+# Page ids two requests' rows are compared in at once (``ScanConfig.shared_pages``).
+_PAGE_COMPARE_CHUNK = 32
 _FUSED_MERGE_WARPS = 4
 # Fewest list slots (top-k minus local blocks, to a power of two) a merge launch of fewer than 4 warps is run
 # for.  On the H200 (2026-12-01, every split count from 8 to 256), lists of 4 slots (the tiny model's top-4)
@@ -205,6 +215,77 @@ def _row_pages(page_row, first, block_hi, page_of_row, PAGES: tl.constexpr, B: t
     return row_page
 
 
+@triton.jit
+def _scan_pages(
+    q, key_ptr, page_row, block_lo, block_hi, column_limit, stride_kp, stride_kb,
+    N: tl.constexpr, D: tl.constexpr, B: tl.constexpr, KP: tl.constexpr, PAGES: tl.constexpr,
+    PAGE_IDS_AHEAD: tl.constexpr, INPUT_PRECISION: tl.constexpr,
+):  # fmt: skip
+    """The running top-K ``[N, KP]`` of blocks ``block_lo .. block_hi - 1`` of one page-table row, scored
+    against the queries ``q`` ``[D, N]`` (block max); column n ranks only blocks below ``column_limit[n]``."""
+    dims = tl.arange(0, D)
+    # PAGES pages per iteration: row i of the [PAGES * B, D] key tile is key i % B of page i // B.
+    rows = tl.arange(0, PAGES * B)
+    row_in_page = rows % B
+    page_of_row = rows // B
+    page_slot = tl.arange(0, PAGES)[:, None]
+    top = _empty_slot(N, KP)
+    if PAGE_IDS_AHEAD:
+        next_row_page = _row_pages(page_row, block_lo, block_hi, page_of_row, PAGES, B)
+    for first in range(block_lo, block_hi, PAGES):
+        if PAGE_IDS_AHEAD:
+            row_page = next_row_page
+            next_row_page = _row_pages(page_row, first + PAGES, block_hi, page_of_row, PAGES, B)
+        else:
+            row_page = _row_pages(page_row, first, block_hi, page_of_row, PAGES, B)
+        keys = tl.load(
+            key_ptr + row_page[:, None] * stride_kp + row_in_page[:, None] * stride_kb + dims[None, :],
+            mask=(first + page_of_row < block_hi)[:, None],
+            other=0.0,
+        )  # [PAGES * B, D]
+        # An fp8 k-index (half the bytes of the scan) is widened to the queries' type in registers, through fp16:
+        # both steps are exact for e4m3, and e4m3 -> fp16 is one instruction on sm_90 where the direct conversion to
+        # bf16 is a longer sequence that bounded the scan (H200, 1M x 1: 47.9 us against 65.0; batch 8: 340 vs 473).
+        if keys.dtype == tl.float8e4nv:
+            keys = keys.to(tl.float16)
+        scores = tl.dot(keys.to(q.dtype), q, input_precision=INPUT_PRECISION)  # [PAGES * B, N] fp32
+        block_max = tl.max(tl.reshape(scores, [PAGES, B, N]), axis=1)  # [PAGES, N]
+        for p in tl.static_range(PAGES):
+            block = first + p
+            score = tl.max(tl.where(page_slot == p, block_max, float("-inf")), axis=0)  # [N]
+            candidate = _pack(score, tl.full([N], 0, tl.int32) + block)
+            worst = tl.min(top, axis=1)
+            take = (candidate > worst) & (block < column_limit)
+            top = tl.where((top == worst[:, None]) & take[:, None], candidate[:, None], top)
+    return top
+
+
+@triton.jit
+def _score_columns(
+    q_ptr, key_ptr, page_row, q_start, q_len, seq_len, column, in_use, block_lo, block_hi,
+    stride_qt, stride_qh, stride_kp, stride_kb,
+    HIDX: tl.constexpr, N: tl.constexpr, D: tl.constexpr, B: tl.constexpr, KP: tl.constexpr, LOCAL: tl.constexpr,
+    PAGES: tl.constexpr, PAGE_IDS_AHEAD: tl.constexpr, INPUT_PRECISION: tl.constexpr,
+):  # fmt: skip
+    """``_scan_pages`` for N columns, column n being token ``column[n] // HIDX`` of a request (its new tokens start
+    at ``q_start[n]``, ``q_len[n]`` of them, context ``seq_len[n]``) and index head ``column[n] % HIDX``; columns
+    not ``in_use`` or past their request's tokens score nothing.  Each ranks only blocks before its token's local
+    blocks."""
+    token = column // HIDX
+    col_ok = in_use & (token < q_len)
+    q_block = (seq_len - q_len + token) // B
+    first_local = q_block + 1 - tl.minimum(q_block + 1, LOCAL)
+    dims = tl.arange(0, D)
+    q = tl.load(
+        q_ptr + (q_start + token)[None, :].to(tl.int64) * stride_qt + (column % HIDX)[None, :] * stride_qh
+        + dims[:, None],
+        mask=col_ok[None, :],
+        other=0.0,
+    )  # [D, N]  # fmt: skip
+    return _scan_pages(q, key_ptr, page_row, block_lo, block_hi, tl.minimum(first_local, block_hi), stride_kp,
+                       stride_kb, N, D, B, KP, PAGES, PAGE_IDS_AHEAD, INPUT_PRECISION)  # fmt: skip
+
+
 # Counts and widths that change from step to step stay unspecialized: Triton would otherwise compile a
 # variant per value class (1, multiples of 16, others) the first time a step meets it, mid-serving.
 # Whether the step's keys are stored here is a runtime flag too, with stand-in store arguments of the same types
@@ -244,54 +325,12 @@ def _scan_kernel(
 
     # Column n is (token n // HIDX of the request, index head n % HIDX).
     cols = tl.arange(0, N)
-    token = cols // HIDX
-    col_ok = token < q_len
-    q_block = (seq_len - q_len + token) // B
-    first_local = q_block + 1 - tl.minimum(q_block + 1, LOCAL)  # column's candidates: blocks < this
     block_lo = split * per_split
     block_hi = tl.minimum(block_lo + per_split, num_candidates)
-
-    dims = tl.arange(0, D)
-    q = tl.load(
-        q_ptr + (q_start + token)[None, :].to(tl.int64) * stride_qt + (cols % HIDX)[None, :] * stride_qh
-        + dims[:, None],
-        mask=col_ok[None, :],
-        other=0.0,
-    )  # [D, N]  # fmt: skip
-    # PAGES pages per iteration: row i of the [PAGES * B, D] key tile is key i % B of page i // B.
-    rows = tl.arange(0, PAGES * B)
-    row_in_page = rows % B
-    page_of_row = rows // B
-    page_slot = tl.arange(0, PAGES)[:, None]
-    top = _empty_slot(N, KP)  # [N, KP] running top-K per column
     page_row = page_table_ptr + request.to(tl.int64) * stride_pt
-    if PAGE_IDS_AHEAD:
-        next_row_page = _row_pages(page_row, block_lo, block_hi, page_of_row, PAGES, B)
-    for first in range(block_lo, block_hi, PAGES):
-        if PAGE_IDS_AHEAD:
-            row_page = next_row_page
-            next_row_page = _row_pages(page_row, first + PAGES, block_hi, page_of_row, PAGES, B)
-        else:
-            row_page = _row_pages(page_row, first, block_hi, page_of_row, PAGES, B)
-        keys = tl.load(
-            key_ptr + row_page[:, None] * stride_kp + row_in_page[:, None] * stride_kb + dims[None, :],
-            mask=(first + page_of_row < block_hi)[:, None],
-            other=0.0,
-        )  # [PAGES * B, D]
-        # An fp8 k-index (half the bytes of the scan) is widened to the queries' type in registers, through fp16:
-        # both steps are exact for e4m3, and e4m3 -> fp16 is one instruction on sm_90 where the direct conversion to
-        # bf16 is a longer sequence that bounded the scan (H200, 1M x 1: 47.9 us against 65.0; batch 8: 340 vs 473).
-        if keys.dtype == tl.float8e4nv:
-            keys = keys.to(tl.float16)
-        scores = tl.dot(keys.to(q.dtype), q, input_precision=INPUT_PRECISION)  # [PAGES * B, N] fp32
-        block_max = tl.max(tl.reshape(scores, [PAGES, B, N]), axis=1)  # [PAGES, N]
-        for p in tl.static_range(PAGES):
-            block = first + p
-            score = tl.max(tl.where(page_slot == p, block_max, float("-inf")), axis=0)  # [N]
-            candidate = _pack(score, tl.full([N], 0, tl.int32) + block)
-            worst = tl.min(top, axis=1)
-            take = (candidate > worst) & (block < first_local) & (block < block_hi)
-            top = tl.where((top == worst[:, None]) & take[:, None], candidate[:, None], top)
+    top = _score_columns(q_ptr, key_ptr, page_row, q_start, q_len, seq_len, cols, cols < N, block_lo, block_hi,
+                         stride_qt, stride_qh, stride_kp, stride_kb, HIDX, N, D, B, KP, LOCAL, PAGES, PAGE_IDS_AHEAD,
+                         INPUT_PRECISION)  # fmt: skip
     # This program's list and head per stored column.
     slots = tl.arange(0, KP)
     mine = (request * num_splits + split).to(tl.int64) * CS
@@ -311,18 +350,116 @@ def _scan_kernel(
             )  # fmt: skip
 
 
-@triton.jit(do_not_specialize=["num_splits", "num_tokens", "stride_pt"])
+@triton.jit
+def _split_end(seq_lens_ptr, request, block_lo, per_split, B: tl.constexpr, LOCAL: tl.constexpr):
+    """End of ``request``'s candidate blocks in the split starting at ``block_lo`` (<= block_lo: none)."""
+    last_block = (tl.load(seq_lens_ptr + request) - 1) // B
+    num_candidates = last_block + 1 - tl.minimum(last_block + 1, LOCAL)
+    return tl.minimum(block_lo + per_split, num_candidates)
+
+
+@triton.jit
+def _same_split_pages(page_table_ptr, stride_pt, seq_lens_ptr, first, second, block_lo, per_split,
+                      B: tl.constexpr, LOCAL: tl.constexpr, CHUNK: tl.constexpr):  # fmt: skip
+    """1 if requests ``first`` and ``second`` scan the same pages in the split starting at ``block_lo`` (the same
+    candidate range, not empty, the same page ids), else 0."""
+    block_hi = _split_end(seq_lens_ptr, first, block_lo, per_split, B, LOCAL)
+    same = (block_hi > block_lo) & (_split_end(seq_lens_ptr, second, block_lo, per_split, B, LOCAL) == block_hi)
+    if same:
+        first_row = page_table_ptr + first.to(tl.int64) * stride_pt
+        second_row = page_table_ptr + second.to(tl.int64) * stride_pt
+        offsets = tl.arange(0, CHUNK)
+        for start in range(block_lo, block_hi, CHUNK):
+            in_split = start + offsets < block_hi
+            first_pages = tl.load(first_row + start + offsets, mask=in_split, other=0)
+            second_pages = tl.load(second_row + start + offsets, mask=in_split, other=0)
+            same = same & (tl.sum((first_pages != second_pages).to(tl.int32), axis=0) == 0)
+    return same.to(tl.int32)
+
+
+@triton.jit(do_not_specialize=["num_splits", "stride_pt", "store", "per_split"])
+def _shared_scan_kernel(
+    q_ptr, key_ptr, page_table_ptr, query_start_ptr, seq_lens_ptr, list_ptr, head_ptr,
+    stride_qt, stride_qh, stride_kp, stride_kb, stride_pt, num_splits, store, per_split,
+    slot_ptr, k_ptr, v_ptr, ik_ptr, key_cache_ptr, value_cache_ptr, index_cache_ptr,
+    stride_kt, stride_kh, stride_vt, stride_vh, stride_ikt, stride_cp, stride_ch, stride_cb, stride_ip, stride_ib,
+    HIDX: tl.constexpr, D: tl.constexpr, B: tl.constexpr, N: tl.constexpr, CS: tl.constexpr, KP: tl.constexpr,
+    GROUP: tl.constexpr, LOCAL: tl.constexpr, PAGES: tl.constexpr, PAGE_IDS_AHEAD: tl.constexpr,
+    SPLIT_MAJOR: tl.constexpr, INPUT_PRECISION: tl.constexpr, CHUNK: tl.constexpr,
+    ST_HKV: tl.constexpr, ST_HKV_P: tl.constexpr, ST_D: tl.constexpr,
+    ST_D_P: tl.constexpr, ST_DI: tl.constexpr, ST_DI_P: tl.constexpr, ST_HAS_INDEX: tl.constexpr,
+):  # fmt: skip
+    """``_scan_kernel`` (without the fused merge) over splits of ``per_split`` blocks in every request, where the
+    program of the first request of a run of consecutive requests (within an aligned window of ``GROUP``) that
+    scan the same pages in its split scans them for the whole run; the run's other programs only store.
+
+    Column n is (request n // CS of the run, token (n % CS) // HIDX of it, index head n % HIDX); every run
+    member's list for the split is written where its own program would have written it."""
+    if SPLIT_MAJOR:
+        request = tl.program_id(0)
+        split = tl.program_id(1)
+        num_requests = tl.num_programs(0)
+    else:
+        split = tl.program_id(0)
+        request = tl.program_id(1)
+        num_requests = tl.num_programs(1)
+    if store != 0:  # noqa: SIM102
+        if split == 0:
+            store_token(
+                tl.load(query_start_ptr + request), slot_ptr, k_ptr, v_ptr, ik_ptr, key_cache_ptr, value_cache_ptr,
+                index_cache_ptr, stride_kt, stride_kh, stride_vt, stride_vh, stride_ikt, stride_cp, stride_ch,
+                stride_cb, stride_ip, stride_ib, ST_HKV, ST_HKV_P, ST_D, ST_D_P, ST_DI, ST_DI_P, B, ST_HAS_INDEX,
+            )  # fmt: skip
+    block_lo = split * per_split
+    window = (request // GROUP) * GROUP
+    leads = 1
+    if request > window:
+        leads = 1 - _same_split_pages(page_table_ptr, stride_pt, seq_lens_ptr, request - 1, request, block_lo,
+                                      per_split, B, LOCAL, CHUNK)  # fmt: skip
+    if leads != 0:
+        members = 1
+        more = 1
+        for m in tl.static_range(1, GROUP):
+            if (more != 0) & (request + m < num_requests) & (request + m < window + GROUP):
+                more = _same_split_pages(page_table_ptr, stride_pt, seq_lens_ptr, request + m - 1, request + m,
+                                         block_lo, per_split, B, LOCAL, CHUNK)  # fmt: skip
+            else:
+                more = 0
+            members += more
+        cols = tl.arange(0, N)
+        member = cols // CS
+        in_run = member < members
+        column_request = request + member
+        q_start = tl.load(query_start_ptr + column_request, mask=in_run, other=0)
+        q_len = tl.load(query_start_ptr + column_request + 1, mask=in_run, other=0) - q_start
+        seq_len = tl.load(seq_lens_ptr + column_request, mask=in_run, other=1)
+        column = cols % CS
+        block_hi = _split_end(seq_lens_ptr, request, block_lo, per_split, B, LOCAL)
+        page_row = page_table_ptr + request.to(tl.int64) * stride_pt
+        top = _score_columns(q_ptr, key_ptr, page_row, q_start, q_len, seq_len, column, in_run, block_lo, block_hi,
+                             stride_qt, stride_qh, stride_kp, stride_kb, HIDX, N, D, B, KP, LOCAL, PAGES,
+                             PAGE_IDS_AHEAD, INPUT_PRECISION)  # fmt: skip
+        rows = (column_request.to(tl.int64) * num_splits + split) * CS + column
+        slots = tl.arange(0, KP)
+        tl.store(list_ptr + rows[:, None] * KP + slots[None, :], top, mask=in_run[:, None])
+        tl.store(head_ptr + rows, tl.max(top, axis=1), mask=in_run)
+
+
+@triton.jit(do_not_specialize=["num_splits", "num_tokens", "stride_pt", "uniform_per_split"])
 def _merge_kernel(
     list_ptr, head_ptr, page_table_ptr, query_start_ptr, seq_lens_ptr, row_indptr_ptr, selected_ptr, page_ids_ptr,
-    stride_pt, num_splits, num_tokens,
+    stride_pt, num_splits, num_tokens, uniform_per_split,
     HIDX: tl.constexpr, B: tl.constexpr, CS: tl.constexpr, CPB: tl.constexpr, KP: tl.constexpr, SP: tl.constexpr,
     TOPK: tl.constexpr, TOPK_P: tl.constexpr, KR: tl.constexpr, KR_P: tl.constexpr, LOCAL: tl.constexpr,
     FLOOR: tl.constexpr,
 ):  # fmt: skip
-    """The merge as its own launch, grid ``(R, CS / CPB)``: one program per group of CPB columns."""
+    """The merge as its own launch, grid ``(R, CS / CPB)``: one program per group of CPB columns.  A nonzero
+    ``uniform_per_split`` is the split size the scan used for every request (``_shared_scan_kernel``)."""
     request = tl.program_id(0)
     q_start, q_len, seq_len, _, per_split = _request_span(query_start_ptr, seq_lens_ptr, request, num_splits, B,
                                                           LOCAL)  # fmt: skip
+    if uniform_per_split > 0:
+        per_split = uniform_per_split
     page_row = page_table_ptr + request.to(tl.int64) * stride_pt
     _merge_columns(
         list_ptr, head_ptr, page_row, row_indptr_ptr, selected_ptr, page_ids_ptr,
@@ -453,6 +590,7 @@ class IndexScan:
     merged: bool  # the scan's last programs merged (one launch)
     merge: _MergeShape
     merge_warps: int
+    uniform_per_split: int = 0  # blocks of every request's splits (shared-page scans), else 0: per request
 
 
 def scan_index_pages(
@@ -482,23 +620,41 @@ def scan_index_pages(
                           device=device),
         heads=torch.empty((plan.num_requests, splits, merge.columns_stored), dtype=torch.int64, device=device),
         selected=torch.empty((num_heads, num_tokens, shape.topk), dtype=torch.int32, device=device),
-        merged=config.fused_merge and merge.fits_one_program,
+        merged=config.fused_merge and merge.fits_one_program and not config.shared_pages,
         merge=merge,
         merge_warps=merge_warps,
     )  # fmt: skip
     if plan.num_requests == 0:
         return scan
     grid = (plan.num_requests, splits) if config.split_major else (splits, plan.num_requests)
+    common = dict(
+        D=head_dim, PAGES=config.pages_per_iteration, PAGE_IDS_AHEAD=config.page_ids_ahead,
+        SPLIT_MAJOR=config.split_major, INPUT_PRECISION="ieee" if index_q.dtype == torch.float32 else "tf32",
+        num_warps=config.num_warps, num_stages=config.num_stages,
+    )  # fmt: skip
+    if config.shared_pages:
+        # Splits sized from the page table's width (fixed for a captured graph), so every request's split s covers
+        # the same blocks and one program can serve the requests that share them.
+        scan.uniform_per_split = max(1, -(-max(0, metadata.page_table.shape[1] - shape.local_blocks) // splits))
+        columns = max(16, triton.next_power_of_2(merge.columns_stored * config.shared_group))
+        group = min(columns // merge.columns_stored, config.shared_group)  # requests a program may serve
+        constexprs = _merge_constexprs(plan, merge)
+        _shared_scan_kernel[grid](
+            index_q, index_key_cache, metadata.page_table, metadata.query_start_loc, metadata.seq_lens, scan.lists,
+            scan.heads, index_q.stride(0), index_q.stride(1), index_key_cache.stride(0), index_key_cache.stride(1),
+            metadata.page_table.stride(0), splits, int(new_keys is not None), scan.uniform_per_split,
+            *store_args, HIDX=constexprs["HIDX"], B=constexprs["B"], LOCAL=constexprs["LOCAL"], N=columns,
+            CS=merge.columns_stored, KP=merge.list_slots, GROUP=group, CHUNK=_PAGE_COMPARE_CHUNK, **common,
+            **store_constexprs,
+        )  # fmt: skip
+        return scan
     _scan_kernel[grid](
         index_q, index_key_cache, metadata.page_table, metadata.query_start_loc, metadata.seq_lens, scan.lists,
         scan.heads, plan.scan_counters, plan.row_indptr, scan.selected, plan.page_ids,
         index_q.stride(0), index_q.stride(1), index_key_cache.stride(0), index_key_cache.stride(1),
         metadata.page_table.stride(0), splits, num_tokens, int(new_keys is not None), *store_args,
-        D=head_dim, N=max(16, triton.next_power_of_2(num_heads * plan.max_query_len)),
-        PAGES=config.pages_per_iteration, PAGE_IDS_AHEAD=config.page_ids_ahead, SPLIT_MAJOR=config.split_major,
-        INPUT_PRECISION="ieee" if index_q.dtype == torch.float32 else "tf32",
-        MERGE=scan.merged, **_merge_constexprs(plan, merge), **store_constexprs,
-        num_warps=config.num_warps, num_stages=config.num_stages,
+        N=max(16, triton.next_power_of_2(num_heads * plan.max_query_len)), MERGE=scan.merged,
+        **_merge_constexprs(plan, merge), **common, **store_constexprs,
     )  # fmt: skip
     return scan
 
@@ -511,7 +667,8 @@ def merge_selection(scan: IndexScan, metadata: AttentionMetadata, plan: SparseDe
     _merge_kernel[(plan.num_requests, merge.columns_stored // merge.columns_per_program)](
         scan.lists, scan.heads, metadata.page_table, metadata.query_start_loc, metadata.seq_lens, plan.row_indptr,
         scan.selected, plan.page_ids, metadata.page_table.stride(0), plan.scan_splits, plan.num_tokens,
-        CPB=merge.columns_per_program, **_merge_constexprs(plan, merge), num_warps=scan.merge_warps,
+        scan.uniform_per_split, CPB=merge.columns_per_program, **_merge_constexprs(plan, merge),
+        num_warps=scan.merge_warps,
     )  # fmt: skip
     return scan.selected
 

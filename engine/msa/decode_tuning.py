@@ -52,6 +52,13 @@ class DecodeTuning:
         if self.single_request_merge_warps is not None:
             ScanConfig(fused_merge=False, merge_warps=self.single_request_merge_warps)  # validates the count
 
+    @property
+    def planned_programs_per_sm(self) -> int:
+        """Scan programs per SM a step's plan is sized for.  A shared-page scan's program serves up to
+        ``shared_group`` requests where their pages are shared (the others of the group only store), so the plan
+        splits each request that much finer to keep the programs that do scan filling the GPU."""
+        return self.scan_programs_per_sm * (self.scan.shared_group if self.scan.shared_pages else 1)
+
     def scan_for(self, num_requests: int, fp8_index: bool) -> ScanConfig:
         """The scan of a decode batch of ``num_requests`` over a bf16 or fp8 k-index."""
         scan = self.fp8_scan if fp8_index else self.scan

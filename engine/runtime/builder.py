@@ -65,6 +65,7 @@ def make_attention_backend(
     *,
     mode: str = "auto",
     offload: DeviceOffload | None = None,
+    shared_page_scan: bool = False,
 ) -> AttentionBackend:
     """The one place that picks the attention implementation (``--attention``, see ``ATTENTION_MODES``).
 
@@ -72,6 +73,8 @@ def make_attention_backend(
     ``TRITON_INTERPRET=1`` (tests).  ``dense`` runs every layer through the dense path of the backend
     the device gets (the cache then has no index keys: ``dense_kv_spec``).  ``naive`` is the
     plain-PyTorch reference backend on any device.  ``auto``: ``msa`` on cuda, ``naive`` on cpu.
+    ``shared_page_scan`` has the GPU backend's decode indexer scan pages that several requests share once for them
+    (``EngineConfig.msa_shared_page_scan``).
     """
     if mode not in ATTENTION_MODES:
         raise ValueError(f"unknown attention mode {mode!r}; choose from {', '.join(ATTENTION_MODES)}")
@@ -84,13 +87,16 @@ def make_attention_backend(
     if kernels:
         try:
             from m3stack.engine.attention.gpu import GpuAttentionBackend
+            from m3stack.engine.msa.decode_index import ScanConfig
+            from m3stack.engine.msa.decode_tuning import DecodeTuning
         except ImportError as exc:
             if mode == "msa":
                 raise
             logger.warning("the CUDA attention backend is unavailable (%s); using the reference backend", exc)
         else:
             # num_q_heads lets begin_step plan every layer up front, which CUDA-graph capture needs.
-            backend = GpuAttentionBackend(kv_caches, num_q_heads=text.num_heads, **selection)
+            tuning = DecodeTuning(scan=ScanConfig(shared_pages=True)) if shared_page_scan else None
+            backend = GpuAttentionBackend(kv_caches, num_q_heads=text.num_heads, decode_tuning=tuning, **selection)
     if backend is None:
         backend = ReferenceAttentionBackend(kv_caches, **selection)
     return DenseOnlyAttention(backend) if mode == "dense" else backend
@@ -210,7 +216,8 @@ class _Parts:
             kv_caches = allocate_kv_cache(self.spec, num_blocks, self.device)
             kv_manager = KVCacheManager(num_blocks, block_size, config.enable_prefix_caching)
         device_offload = offload.device if offload is not None else None
-        backend = make_attention_backend(kv_caches, self.m3, self.device, mode=config.attention, offload=device_offload)
+        backend = make_attention_backend(kv_caches, self.m3, self.device, mode=config.attention, offload=device_offload,
+                                         shared_page_scan=config.msa_shared_page_scan)  # fmt: skip
         if self.rank_zero is not None:
             backend = self.rank_zero.backend_wrapper(backend)
         info = _model_info(config, self.model_path, self.m3, max_model_len, block_size, num_blocks, self.dtype,

@@ -43,6 +43,9 @@ class EngineConfig:
     num_kv_blocks: int | None = None  # exact KV block count (tests, benchmarks); overrides kv_cache_gb
     cpu_threads: int | None = None  # torch intra-op threads; None: torch's default
     attention: str = "auto"  # auto | msa | dense | naive (builder.make_attention_backend)
+    # MSA decode: one index-scan program per group of requests holding the same pages (a shared prompt prefix)
+    # scores them for the whole group (msa.decode_index.ScanConfig.shared_pages).
+    msa_shared_page_scan: bool = False
     kv_offload_gb: float = 0.0  # pinned host memory for offloaded KV blocks (engine.offload); 0: off
     kv_offload_hot_blocks: int | None = None  # hot-buffer pages per request; None: one decode token's selection
     seed: int = 0

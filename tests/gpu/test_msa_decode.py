@@ -75,6 +75,8 @@ def check_attention(paged: PagedBatch, q: torch.Tensor, selected: torch.Tensor, 
         (ScanConfig(fused_merge=False, merge_warps=1), 512),
         (ScanConfig(fused_merge=False, merge_warps=1), None),
         (ScanConfig(split_major=True), None),
+        (ScanConfig(shared_pages=True), None),
+        (ScanConfig(shared_pages=True, shared_group=16, page_ids_ahead=True), 7),
     ],
     ids=[
         "default",
@@ -85,6 +87,8 @@ def check_attention(paged: PagedBatch, q: torch.Tensor, selected: torch.Tensor, 
         "one-warp-merge-512-splits",
         "one-warp-merge",
         "split-major",
+        "shared-pages",
+        "shared-pages-16-ahead-7-splits",
     ],
 )
 def test_index_selection_and_page_ids(batch, config: ScanConfig, splits: int | None) -> None:
@@ -103,6 +107,30 @@ def test_index_selection_and_page_ids(batch, config: ScanConfig, splits: int | N
             blocks = selected[head, token][selected[head, token] >= 0].long()
             want = metadata.page_table[token_request[token], blocks] * SHAPE.num_kv_heads + head
             assert torch.equal(pages, want)
+
+
+@pytest.mark.parametrize("group", [4, 16])
+def test_shared_page_scans_over_one_agentic_prefix(group: int) -> None:
+    """Twenty requests of which 0-8 and 10-19 share a prefix of 400 / 60 blocks (runs crossing the kernel's windows):
+    every member selects the reference's blocks (within the score tolerance; the CPU tests check the selection
+    equals the per-request scan's)."""
+    generator = torch.Generator().manual_seed(9)
+    requests = [(51300 + 37 * r, 1) for r in range(20)]
+    paged = paged_batch(requests, num_kv_heads=SHAPE.num_kv_heads, head_dim=SHAPE.head_dim,
+                        index_dim=SHAPE.index_head_dim, block_size=SHAPE.block_size, dtype=torch.bfloat16,
+                        device="cuda", generator=generator)  # fmt: skip
+    table = paged.metadata.page_table
+    for leader, members, blocks in ((0, range(1, 9), 400), (10, range(11, 20), 60)):
+        for member in members:
+            table[member, :blocks] = table[leader, :blocks]
+            paged.index_keys[member][: blocks * SHAPE.block_size] = paged.index_keys[leader][
+                : blocks * SHAPE.block_size
+            ]
+    index_q = torch.randn(paged.metadata.num_tokens, SHAPE.num_kv_heads, SHAPE.index_head_dim, generator=generator)
+    index_q = index_q.to("cuda", torch.bfloat16)
+    plan = plan_sparse_decode(paged.metadata, SHAPE, torch.device("cuda"))
+    config = ScanConfig(shared_pages=True, shared_group=group)
+    check_selection(paged, index_q, decode_index_topk(index_q, paged.index_key_cache, paged.metadata, plan, config))
 
 
 @pytest.mark.parametrize("index_heads", [1, 2])

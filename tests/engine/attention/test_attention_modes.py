@@ -51,3 +51,12 @@ def test_modes_that_cannot_run_are_refused(tiny_model_dir, monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     with pytest.raises(ValueError, match="needs --device cuda"):
         make_attention_backend([], m3, torch.device("cpu"), mode="msa")
+
+
+def test_the_shared_page_scan_setting_reaches_the_decode_indexer(tiny_model_dir, monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    for shared in (False, True):
+        config = EngineConfig(model=str(tiny_model_dir), num_kv_blocks=8, attention="msa", msa_shared_page_scan=shared)
+        tuning = build_engine_core(config).runner.backend.decode_tuning
+        assert tuning.scan.shared_pages == shared
+        assert tuning.planned_programs_per_sm == tuning.scan_programs_per_sm * (4 if shared else 1)

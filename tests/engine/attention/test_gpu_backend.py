@@ -14,6 +14,8 @@ from m3stack.engine.attention.flashinfer_dense import FLASHINFER_HEAD_DIMS
 from m3stack.engine.attention.gpu import GpuAttentionBackend
 from m3stack.engine.attention.reference import ReferenceAttentionBackend
 from m3stack.engine.kv_cache.tensors import KVCacheSpec, allocate_kv_cache
+from m3stack.engine.msa.decode_index import ScanConfig
+from m3stack.engine.msa.decode_tuning import DecodeTuning
 from tests.engine.attention.step_support import step_metadata
 
 BLOCK, HQ, HKV, HEAD_DIM, INDEX_DIM, TOPK, LOCAL = 16, 8, 2, 32, 16, 3, 1
@@ -41,11 +43,13 @@ def caches() -> list:
     return layers
 
 
-def run_and_compare(steps: list[dict[int, int]], num_q_heads: int | None, seed: int) -> GpuAttentionBackend:
+def run_and_compare(steps: list[dict[int, int]], num_q_heads: int | None, seed: int,
+                    tuning: DecodeTuning | None = None) -> GpuAttentionBackend:  # fmt: skip
     generator = torch.Generator().manual_seed(seed)
     # Three requests of up to 8 pages each, scattered over the pool.
     pages = torch.randperm(NUM_PAGES, generator=generator)[:24].view(3, 8)
-    gpu = GpuAttentionBackend(caches(), topk_blocks=TOPK, local_blocks=LOCAL, num_q_heads=num_q_heads)
+    gpu = GpuAttentionBackend(caches(), topk_blocks=TOPK, local_blocks=LOCAL, num_q_heads=num_q_heads,
+                              decode_tuning=tuning)  # fmt: skip
     ref = ReferenceAttentionBackend(caches(), topk_blocks=TOPK, local_blocks=LOCAL)
     done = {0: 0, 1: 0, 2: 0}
     for step in steps:
@@ -73,6 +77,11 @@ def run_and_compare(steps: list[dict[int, int]], num_q_heads: int | None, seed: 
 
 def test_gpu_backend_matches_reference_backend_over_steps() -> None:
     run_and_compare(STEPS, num_q_heads=HQ, seed=17)
+
+
+def test_gpu_backend_with_the_shared_page_scan_matches_reference_backend_over_steps() -> None:
+    """Uniform splits, the shared-page kernel storing the decode steps' keys, and its own merge launch."""
+    run_and_compare(STEPS, num_q_heads=HQ, seed=19, tuning=DecodeTuning(scan=ScanConfig(shared_pages=True)))
 
 
 def test_plan_made_at_the_first_layer_without_num_q_heads() -> None:

@@ -11,8 +11,15 @@ os.environ.setdefault("TRITON_INTERPRET", "1")  # before any kernel module is im
 import pytest
 import torch
 
+from m3stack.engine.kv_cache.tensors import LayerKVCache
 from m3stack.engine.msa import reference
-from m3stack.engine.msa.decode_index import ScanConfig, _merge_shape, decode_index_topk, scan_index_pages
+from m3stack.engine.msa.decode_index import (
+    NewKeys,
+    ScanConfig,
+    _merge_shape,
+    decode_index_topk,
+    scan_index_pages,
+)
 from m3stack.engine.msa.decode_plan import SparseDecodeShape, plan_sparse_decode
 from tests.engine.msa.prefill_support import PagedBatch, assert_selection_matches, paged_batch
 
@@ -174,3 +181,58 @@ def test_fp8_index_keys_match_the_reference_on_the_same_keys() -> None:
     batch.index_key_cache = fp8_cache
     batch.index_keys = [keys.to(torch.float8_e4m3fn).float() for keys in batch.index_keys]
     check_against_reference(batch, index_q, shape_for(topk=4, local_blocks=1), splits=2)
+
+
+def shared_prefix_batch(seed: int) -> tuple[PagedBatch, torch.Tensor]:
+    """Seven requests: 0-2 and 4-6 share their first 10 and 13 blocks (two agentic prefixes; 4-6 also straddle the
+    window of 4 requests a program serves), 3 shares nothing; contexts differ, so their last splits differ too."""
+    requests = [(250, 1), (251, 1), (262, 1), (130, 1), (240, 1), (229, 1), (245, 1)]
+    batch, index_q = make_batch(torch.float32, seed=seed, requests=requests)
+    table = batch.metadata.page_table
+    for leader, members, blocks in ((0, (1, 2), 10), (4, (5, 6), 13)):
+        for member in members:
+            table[member, :blocks] = table[leader, :blocks]
+            batch.index_keys[member][: blocks * BLOCK] = batch.index_keys[leader][: blocks * BLOCK]
+    return batch, index_q
+
+
+@pytest.mark.parametrize(("splits", "group", "split_major"), [(3, 4, False), (5, 1, False), (2, 16, True)])
+def test_shared_page_scans_select_what_each_request_scanned_alone_would(splits: int, group: int,
+                                                                        split_major: bool) -> None:  # fmt: skip
+    """Programs that scan a split's pages for a run of requests sharing them (with splits of equal blocks in
+    every request) select the reference's blocks for every member, and the same as the per-request scan."""
+    batch, index_q = shared_prefix_batch(seed=41)
+    shape = shape_for(topk=4, local_blocks=1)
+    config = ScanConfig(shared_pages=True, shared_group=group, split_major=split_major)
+    check_against_reference(batch, index_q, shape, splits=splits, config=config)
+    metadata = batch.metadata
+    selections = []
+    for scan_config in (ScanConfig(fused_merge=False), config):
+        plan = plan_sparse_decode(metadata, shape, torch.device("cpu"), scan_splits=splits)
+        selections.append((decode_index_topk(index_q, batch.index_key_cache, metadata, plan, scan_config),
+                           plan.page_ids.clone()))  # fmt: skip
+    assert torch.equal(selections[0][0], selections[1][0]) and torch.equal(selections[0][1], selections[1][1])
+
+
+def test_shared_page_scans_store_every_requests_new_keys() -> None:
+    """The scan's side task (storing the step's keys) runs in every request's split-0 program, leader or not."""
+    batch, index_q = shared_prefix_batch(seed=43)
+    metadata = batch.metadata
+    shape = shape_for(topk=4, local_blocks=1)
+    plan = plan_sparse_decode(metadata, shape, torch.device("cpu"), scan_splits=2)
+    cache = LayerKVCache(batch.key_cache, batch.value_cache, batch.index_key_cache)
+    slots = metadata.slot_mapping
+    pages, offsets = slots.long() // BLOCK, slots.long() % BLOCK
+    cache.key[pages, :, offsets] = float("nan")
+    generator = torch.Generator().manual_seed(3)
+    k, v = (torch.randn(metadata.num_tokens, HKV, 16, generator=generator) for _ in range(2))
+    index_k = cache.index_key[pages, offsets].clone()  # the keys already there: the selection stays the reference's
+    new_keys = NewKeys(cache, slots, k, v, index_k)
+    decode_index_topk(index_q, cache.index_key, metadata, plan, ScanConfig(shared_pages=True), new_keys)
+    assert torch.equal(cache.key[pages, :, offsets], k) and torch.equal(cache.value[pages, :, offsets], v)
+
+
+def test_shared_group_sizes_the_kernel_cannot_run_are_refused() -> None:
+    for group in (0, 3, 32):
+        with pytest.raises(ValueError, match="shared_group"):
+            ScanConfig(shared_pages=True, shared_group=group)
