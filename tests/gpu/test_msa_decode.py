@@ -111,16 +111,16 @@ def test_index_selection_and_page_ids(batch, config: ScanConfig, splits: int | N
 
 @pytest.mark.parametrize("group", [4, 16])
 def test_shared_page_scans_over_one_agentic_prefix(group: int) -> None:
-    """Twenty requests of which 0-8 and 10-19 share a prefix of 400 / 60 blocks (runs crossing the kernel's windows):
+    """Twenty requests of which 0-8 and 10-19 share a prefix of 120 / 30 blocks (runs crossing the kernel's windows):
     every member selects the reference's blocks (within the score tolerance; the CPU tests check the selection
     equals the per-request scan's)."""
     generator = torch.Generator().manual_seed(9)
-    requests = [(51300 + 37 * r, 1) for r in range(20)]
+    requests = [(20100 + 37 * r, 1) for r in range(20)]
     paged = paged_batch(requests, num_kv_heads=SHAPE.num_kv_heads, head_dim=SHAPE.head_dim,
                         index_dim=SHAPE.index_head_dim, block_size=SHAPE.block_size, dtype=torch.bfloat16,
                         device="cuda", generator=generator)  # fmt: skip
     table = paged.metadata.page_table
-    for leader, members, blocks in ((0, range(1, 9), 400), (10, range(11, 20), 60)):
+    for leader, members, blocks in ((0, range(1, 9), 120), (10, range(11, 20), 30)):
         for member in members:
             table[member, :blocks] = table[leader, :blocks]
             paged.index_keys[member][: blocks * SHAPE.block_size] = paged.index_keys[leader][
