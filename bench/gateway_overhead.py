@@ -36,6 +36,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from bench.common import write_results
 from m3stack.engine.proto import engine_pb2, engine_pb2_grpc
+from m3stack.gateway.cli import KEEP_ALIVE_TIMEOUT_S
 
 logger = logging.getLogger("bench.gateway_overhead")
 
@@ -202,7 +203,9 @@ def serve_floor(port: int, engine_port: int, model_dir: Path) -> None:
 
     prompt_ids = ModelTokenizer.from_folder(model_dir).encode(PROMPT, add_special_tokens=True)
     app = relay_floor_app(f"{LOOPBACK}:{engine_port}", prompt_ids)
-    uvicorn.run(app, host=LOOPBACK, port=port, log_level="warning", lifespan="off")
+    # The gateway's idle keep-alive, so that neither server closes a connection the load generator may reuse.
+    uvicorn.run(app, host=LOOPBACK, port=port, log_level="warning", lifespan="off",
+                timeout_keep_alive=KEEP_ALIVE_TIMEOUT_S)  # fmt: skip
 
 
 # ------------------------------------------------------------------------------------------------

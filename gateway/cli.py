@@ -16,6 +16,11 @@ from m3stack import options
 from m3stack.gateway.multimodal import limits as media_limits
 from m3stack.options import OptionGroup
 
+# Idle keep-alive of client connections: uvicorn's 5 s default is shorter than what proxies and HTTP clients keep
+# (nginx Ingress upstream keepalive 60 s, aiohttp 15 s), so they reuse a connection the gateway is closing and the
+# request fails; 75 s outlasts them.
+KEEP_ALIVE_TIMEOUT_S = 75.0
+
 if TYPE_CHECKING:
     from m3stack.gateway.config import GatewayConfig
 
@@ -61,6 +66,14 @@ def add_arguments(opts: OptionGroup) -> None:
     )
     media_limits.add_arguments(opts)
     opts.add("--drain-timeout", type=options.non_negative_float, default=30.0, help="seconds open streams get on stop")
+    opts.add(
+        "--keep-alive-timeout",
+        type=options.positive_float,
+        default=KEEP_ALIVE_TIMEOUT_S,
+        help="seconds an idle client connection stays open; keep it above the idle timeout of the proxies and "
+        "clients in front (Ingress controllers keep upstream connections 60 s), or a request sent just as the "
+        "gateway closes the connection fails",
+    )
     opts.flag("--access-log", help="log every HTTP request")
 
 
@@ -140,6 +153,7 @@ def run(args: argparse.Namespace) -> int:
             log_config=None,
             access_log=args.access_log,
             timeout_graceful_shutdown=int(args.drain_timeout) or None,
+            timeout_keep_alive=args.keep_alive_timeout,
             lifespan="on",
         )
     )

@@ -3,9 +3,11 @@ reaches the MediaLimits the gateway runs with."""
 
 import argparse
 import dataclasses
+import http.client
 import logging
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -13,7 +15,10 @@ from m3stack import options
 from m3stack.cli import build_parser
 from m3stack.gateway import cli
 from m3stack.gateway.multimodal import MediaLimits
+from m3stack.local.processes import free_port
 from m3stack.options import OptionGroup
+
+LOOPBACK = "127.0.0.1"
 
 
 def parse(args: list[str]):
@@ -139,3 +144,36 @@ def test_the_command_exits_2_on_a_bad_media_limit():
     )
     assert result.returncode == 2, result.stderr
     assert "--media-max-sampled-frames" in result.stderr and "expected an integer > 0" in result.stderr
+
+
+def test_idle_connections_stay_open_for_the_keep_alive_timeout_and_close_after_it(tiny_model_dir):
+    """uvicorn's default (5 s) closes idle connections while proxies in front still reuse them (an Ingress keeps
+    upstream connections 60 s); the gateway's default outlasts that, and ``--keep-alive-timeout`` reaches the server."""
+    assert parse([]).keep_alive_timeout > 60
+    port = free_port(LOOPBACK)
+    args = ["gateway", "--model", str(tiny_model_dir), "--engines", "127.0.0.1:1", "--host", LOOPBACK, "--port",
+            str(port), "--keep-alive-timeout", "1.5"]  # fmt: skip
+    gateway = subprocess.Popen([sys.executable, "-m", "m3stack", *args])
+    try:
+        deadline = time.monotonic() + 60
+        while True:  # until the server listens
+            connection = http.client.HTTPConnection(LOOPBACK, port, timeout=5)
+            try:
+                connection.request("GET", "/health")
+                break
+            except ConnectionRefusedError:
+                assert time.monotonic() < deadline, "the gateway did not start"
+                time.sleep(0.2)
+        response = connection.getresponse()
+        assert response.status == 200 and response.read()
+        time.sleep(0.5)
+        connection.request("GET", "/health")  # the same connection, idle for less than the timeout
+        response = connection.getresponse()
+        assert response.status == 200 and response.read()
+        time.sleep(2.5)
+        with pytest.raises((http.client.RemoteDisconnected, ConnectionError)):
+            connection.request("GET", "/health")
+            connection.getresponse()
+    finally:
+        gateway.terminate()
+        gateway.wait(timeout=30)
