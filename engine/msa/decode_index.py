@@ -636,8 +636,9 @@ def scan_index_pages(
         # Splits sized from the page table's width (fixed for a captured graph), so every request's split s covers
         # the same blocks and one program can serve the requests that share them.
         scan.uniform_per_split = max(1, -(-max(0, metadata.page_table.shape[1] - shape.local_blocks) // splits))
-        columns = max(16, triton.next_power_of_2(merge.columns_stored * config.shared_group))
-        group = min(columns // merge.columns_stored, config.shared_group)  # requests a program may serve
+        # Requests a program may serve: at most MAX_DECODE_COLUMNS columns in all, as the per-request scan.
+        group = max(1, min(config.shared_group, MAX_DECODE_COLUMNS // merge.columns_stored))
+        columns = max(16, merge.columns_stored * group)
         constexprs = _merge_constexprs(plan, merge)
         _shared_scan_kernel[grid](
             index_q, index_key_cache, metadata.page_table, metadata.query_start_loc, metadata.seq_lens, scan.lists,

@@ -236,3 +236,14 @@ def test_shared_group_sizes_the_kernel_cannot_run_are_refused() -> None:
     for group in (0, 3, 32):
         with pytest.raises(ValueError, match="shared_group"):
             ScanConfig(shared_pages=True, shared_group=group)
+
+
+def test_shared_page_scans_of_requests_with_several_new_tokens() -> None:
+    """MTP-like requests (2-3 new tokens: 8 stored columns each) sharing prefix pages: 4 requests' columns a program."""
+    batch, index_q = make_batch(torch.float32, seed=47, requests=[(250, 3), (251, 3), (262, 2), (245, 1), (130, 2)])
+    table = batch.metadata.page_table
+    for member in (1, 2, 3):
+        table[member, :12] = table[0, :12]
+        batch.index_keys[member][: 12 * BLOCK] = batch.index_keys[0][: 12 * BLOCK]
+    config = ScanConfig(shared_pages=True, shared_group=16)
+    check_against_reference(batch, index_q, shape_for(topk=4, local_blocks=1), splits=4, config=config)
