@@ -27,10 +27,16 @@ def _length_prefixed(tag: bytes, payload: bytes) -> bytes:
     return tag + struct.pack("<Q", len(payload)) + payload
 
 
-def hash_block(parent_hash: bytes, token_ids: Sequence[int], mm_hashes: Sequence[str] = (), salt: str = "") -> bytes:
+def hash_block(
+    parent_hash: bytes, token_ids: Sequence[int] | np.ndarray, mm_hashes: Sequence[str] = (), salt: str = ""
+) -> bytes:
     """SHA-256 of one block's key; 32 bytes, so collisions are not a practical concern."""
+    return _hash_token_bytes(parent_hash, np.asarray(token_ids, dtype="<u4").tobytes(), mm_hashes, salt)
+
+
+def _hash_token_bytes(parent_hash: bytes, token_bytes: bytes, mm_hashes: Sequence[str], salt: str) -> bytes:
     digest = hashlib.sha256(parent_hash)
-    digest.update(_length_prefixed(_TAG_TOKENS, np.asarray(token_ids, dtype="<u4").tobytes()))
+    digest.update(_length_prefixed(_TAG_TOKENS, token_bytes))
     for mm_hash in mm_hashes:
         digest.update(_length_prefixed(_TAG_MM, mm_hash.encode()))
     if salt:
@@ -55,13 +61,19 @@ def extend_block_hashes(request: Request, block_size: int) -> None:
     """
     num_full_blocks = request.num_known_tokens // block_size
     hashes = request.block_hashes
+    first = len(hashes)
+    if first >= num_full_blocks:
+        return
+    # One conversion for all the new blocks, and no per-block Python beyond the digest: a 60K-token prompt's
+    # ~490 blocks are hashed on the thread that also steps the engine.
+    token_bytes = np.asarray(request.token_ids[first * block_size : num_full_blocks * block_size], "<u4").tobytes()
+    block_bytes = 4 * block_size
     parent = hashes[-1] if hashes else ROOT_HASH
-    for index in range(len(hashes), num_full_blocks):
+    for index in range(first, num_full_blocks):
         start, end = index * block_size, (index + 1) * block_size
-        parent = hash_block(
-            parent,
-            request.token_ids[start:end],
-            overlapping_mm_hashes(request.mm_inputs, start, end),
-            request.cache_salt if index == 0 else "",
+        offset = (index - first) * block_bytes
+        mm_hashes = overlapping_mm_hashes(request.mm_inputs, start, end) if request.mm_inputs else ()
+        parent = _hash_token_bytes(
+            parent, token_bytes[offset : offset + block_bytes], mm_hashes, request.cache_salt if index == 0 else ""
         )
         hashes.append(parent)
