@@ -70,3 +70,20 @@ def test_hashes_extend_as_tokens_are_generated(new_request):
         request.resolve_placeholder(token)
     whole = new_request(request.token_ids)
     assert _hashes(request) == _hashes(whole) and len(whole.block_hashes) == 2
+
+
+def test_the_incremental_chain_is_the_chain_of_hash_block(new_request):
+    """extend_block_hashes hashes plain blocks inline and blocks with a salt through hash_block's path; both
+    must give hash_block's chain, also when the blocks arrive in several calls."""
+    tokens = _tokens(22, 7)
+    for salt in ("", "tenant"):
+        request = new_request(tokens[:9])
+        request.cache_salt = salt
+        extend_block_hashes(request, BLOCK)
+        request.token_ids.extend(tokens[9:])
+        extend_block_hashes(request, BLOCK)
+        expected, parent = [], ROOT_HASH
+        for index in range(len(tokens) // BLOCK):
+            parent = hash_block(parent, tokens[index * BLOCK : (index + 1) * BLOCK], salt=salt if index == 0 else "")
+            expected.append(parent)
+        assert request.block_hashes == expected
