@@ -8,6 +8,7 @@ import argparse
 import asyncio
 import dataclasses
 import gc
+import time
 from typing import TYPE_CHECKING
 
 import grpc
@@ -100,6 +101,11 @@ class ServedEngine:
             await self.channel.close(grace=None)
         await self.server.stop(0.5)
         await self.engine.stop()
+
+    def cpu_seconds(self) -> tuple[float, float]:
+        """CPU seconds so far of (the event loop's thread: the gRPC server, this benchmark's awaits; the engine
+        thread).  Call on the event loop's thread.  The clients run in their own process."""
+        return time.thread_time(), self.engine.thread_cpu_seconds()
 
     async def stats(self) -> EngineStats:
         """Engine statistics with the offload's device counters up to date (they reach the host lazily)."""

@@ -150,8 +150,9 @@ def tables(rows: list[dict[str, Any]], extra: dict[str, Any], concurrencies: lis
     ratio_rows = [{"concurrency": c, **{k: v.get(str(c)) for k, v in extra["ratios"].items()
                                         if isinstance(v, dict)}} for c in concurrencies]  # fmt: skip
     columns = ["config", "phase", "concurrency", "requests", "output_tok_s", "ttft_p50_ms", "ttft_p99_ms",
-               "itl_p50_ms", "itl_p99_ms", "prefix_hit_rate", "preemptions", "kernel_compiles", "offload_hit_rate",
-               "offload_spilled_blocks", "skipped", "error"]  # fmt: skip
+               "itl_p50_ms", "itl_p99_ms", "prefix_hit_rate", "preemptions", "kernel_compiles", "step_ms",
+               "loop_cpu_ms_per_step", "engine_cpu_ms_per_step", "offload_hit_rate", "offload_spilled_blocks",
+               "skipped", "error"]  # fmt: skip
     long_columns = [
         "config",
         "context",

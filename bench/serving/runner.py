@@ -155,7 +155,7 @@ async def measure_point(bench: Bench, served: ServedEngine, name: str, concurren
     before, compiles_before = await served.stats(), kernel_compiles.snapshot()
     if bench.client is None or not bench.client.alive:
         bench.client = ClientProcess()
-    started = time.perf_counter()
+    started, cpu_before = time.perf_counter(), served.cpu_seconds()
     try:
         results, seconds = await bench.client.closed_loop(served.address, f"{name}-c{concurrency}", bench.workload,
                                                           [f"c{concurrency}-{i}" for i in range(count)], concurrency,
@@ -164,13 +164,26 @@ async def measure_point(bench: Bench, served: ServedEngine, name: str, concurren
         seconds = time.perf_counter() - started
         logger.warning("config %s, concurrency %d: cancelled at the budget after %.0f s", name, concurrency, seconds)
         return {"skipped": "budget", "cancelled_after_s": seconds}
-    after, compiles = await served.stats(), kernel_compiles.snapshot()
+    after, compiles, cpu_after = await served.stats(), kernel_compiles.snapshot(), served.cpu_seconds()
     bench.tokens[name].update({r.key: r.tokens for r in results})
     # Kernels the point's steps compiled (the engine runs in this process): each one stalls the whole batch.
     return {**summarize(results, seconds), "preemptions": after.num_preemptions - before.num_preemptions,
             "kernel_compiles": compiles.count - compiles_before.count,
             "kernel_compile_s": compiles.seconds - compiles_before.seconds,
+            **host_cpu_per_step(after.num_steps - before.num_steps, cpu_before, cpu_after, seconds),
             **offload_delta(before.offload, after.offload)}  # fmt: skip
+
+
+def host_cpu_per_step(steps: int, cpu_before: tuple[float, float], cpu_after: tuple[float, float],
+                      seconds: float) -> dict[str, float | int]:  # fmt: skip
+    """A point's engine steps, wall ms a step, and CPU ms a step of the event loop's thread (the gRPC streams)
+    and of the engine thread.  Both threads share the GIL: loop time that grows with the streams delays the
+    engine thread's next launch."""
+    if steps <= 0:
+        return {"engine_steps": max(steps, 0)}
+    loop_s, engine_s = (after - before for before, after in zip(cpu_before, cpu_after, strict=True))
+    return {"engine_steps": steps, "step_ms": seconds / steps * 1e3, "loop_cpu_ms_per_step": loop_s / steps * 1e3,
+            "engine_cpu_ms_per_step": engine_s / steps * 1e3}  # fmt: skip
 
 
 # --- long context ------------------------------------------------------------------------------------------------

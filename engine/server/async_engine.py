@@ -89,6 +89,13 @@ class AsyncEngine:
         if self._thread is not None:
             await asyncio.to_thread(self._thread.join)
 
+    def thread_cpu_seconds(self) -> float:
+        """CPU seconds the engine thread has used so far (0 before it starts): with the event loop's own
+        (``time.thread_time()`` on its thread), how the host's work splits between stepping and serving."""
+        if self._thread is None or self._thread.ident is None:
+            return 0.0
+        return time.clock_gettime(time.pthread_getcpuclockid(self._thread.ident))
+
     @property
     def num_live_requests(self) -> int:
         return len(self._streams)

@@ -13,7 +13,7 @@ import pytest
 from bench.serving.cli import main, parse_args, run
 from bench.serving.client import RequestResult
 from bench.serving.report import decode_rate, ratios, summarize, target_report
-from bench.serving.runner import predict_point_s
+from bench.serving.runner import host_cpu_per_step, predict_point_s
 from bench.serving.workload import Workload
 
 PREFIX, SUFFIX, OUTPUT, BLOCK = 256, 32, 4, 16  # the tiny model's MSA blocks are 16 tokens
@@ -43,6 +43,9 @@ def test_every_config_and_concurrency_measured_offload_gives_the_same_tokens(tmp
         assert row["prefix_hit_rate"] == PREFIX / (PREFIX + SUFFIX), (config, row)
         assert row["offload"] == (config == "d")
         assert row["kernel_compiles"] == 0  # on CPU no Triton kernel is compiled (reference attention)
+        # Each request needs at least its OUTPUT tokens' steps; on CPU the engine thread computes the model itself.
+        assert row["engine_steps"] >= OUTPUT and row["step_ms"] > 0
+        assert 0 < row["engine_cpu_ms_per_step"] <= 1.5 * row["step_ms"] and row["loop_cpu_ms_per_step"] > 0
     cold = [r for r in rows if r["phase"] == "cold"]
     assert sorted(r["config"] for r in cold) == list("abcd") and all(r["prefix_hit_rate"] == 0 for r in cold)
 
@@ -103,6 +106,10 @@ def test_summaries_of_known_results():
     assert decode_rate([0.0, 1.0, 1.5, 2.0], 1, 3) == 2.0 and decode_rate([0.0], 0, 5) is None
     # 4 requests on 2 clients after 1-client requests of 3 s: 2 rounds of 3 s, batch twice as large.
     assert predict_point_s(4, 2, 1, 3.0) == 12.0 and predict_point_s(64, 64, 16, 2.0) == 8.0
+    assert host_cpu_per_step(4, (1.0, 2.0), (1.2, 2.8), 2.0) == pytest.approx(
+        {"engine_steps": 4, "step_ms": 500.0, "loop_cpu_ms_per_step": 50.0, "engine_cpu_ms_per_step": 200.0}
+    )
+    assert host_cpu_per_step(0, (1.0, 2.0), (1.0, 2.0), 2.0) == {"engine_steps": 0}
     rows = [{"phase": "warm", "config": c, "concurrency": n, "output_tok_s": v}
             for c, n, v in [("a", 1, 10.0), ("c", 1, 4.0), ("a", 2, 18.0), ("c", 2, 12.0), ("b", 1, 5.0)]]  # fmt: skip
     assert ratios(rows, "a", "c") == {"1": 2.5, "2": 1.5} and ratios(rows, "a", "b") == {"1": 2.0}
