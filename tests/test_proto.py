@@ -89,6 +89,7 @@ def test_generate_response_oneof_holds_one_branch():
 def test_service_has_the_contract_methods():
     service = engine_pb2.DESCRIPTOR.services_by_name["Engine"]
     methods = {m.name: m for m in service.methods}
-    assert set(methods) == {"Generate", "Abort", "HealthCheck", "GetModelInfo", "GetLoads"}
+    assert set(methods) == {"Generate", "GenerateStream", "Abort", "HealthCheck", "GetModelInfo", "GetLoads"}
     assert methods["Generate"].server_streaming and not methods["Generate"].client_streaming
+    assert methods["GenerateStream"].server_streaming and methods["GenerateStream"].client_streaming
     assert hasattr(engine_pb2_grpc, "EngineStub") and hasattr(engine_pb2_grpc, "EngineServicer")

@@ -117,6 +117,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="the MSA configs' decode indexer scans pages the requests share once per group of them",
     )
     p.add_argument(
+        "--engine-stream",
+        choices=("request", "shared"),
+        default="request",
+        help="the clients' gRPC: a Generate stream per request (the gateway's today), or one GenerateStream each "
+        "client process shares (the engine batches a wakeup's responses into one message)",
+    )
+    p.add_argument(
         "--msa-attention",
         default=None,
         help="attention of configs a and d (default: msa on cuda, auto = the reference backend on cpu)",

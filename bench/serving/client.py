@@ -42,51 +42,135 @@ class RequestResult:
     token_times: list[float]  # perf_counter when each token arrived
 
 
+_STATUS_NAMES = {status.value[0]: status.name for status in grpc.StatusCode}
+
+
+class _Reader:
+    """One request's responses as they arrive, into a ``RequestResult``."""
+
+    def __init__(self, request_id: str, key: str, max_new_tokens: int, on_tokens: Callable[[int], None] | None):
+        self.request_id, self.key, self.max_new_tokens, self.on_tokens = request_id, key, max_new_tokens, on_tokens
+        self.start = time.perf_counter()
+        self.tokens: list[int] = []
+        self.times: list[float] = []
+        self.itls: list[float] = []
+        self.complete: pb.GenerateComplete | None = None
+
+    def add(self, response: pb.GenerateResponse) -> None:
+        now = time.perf_counter()
+        if response.HasField("chunk"):
+            count = len(response.chunk.token_ids)
+            if self.times:
+                self.itls += [(now - self.times[-1]) / count] * count
+            self.tokens += response.chunk.token_ids
+            self.times += [now] * count
+            if self.on_tokens is not None:
+                self.on_tokens(len(self.tokens))
+        elif response.HasField("error"):
+            code = _STATUS_NAMES.get(response.error.code, str(response.error.code))
+            raise RuntimeError(f"{self.request_id} failed: {code}: {response.error.message}")
+        else:
+            self.complete = response.complete
+
+    def result(self) -> RequestResult:
+        """Raises ``RuntimeError`` unless the request ran to ``max_new_tokens``."""
+        complete, tokens = self.complete, self.tokens
+        if complete is None or complete.finish_reason != pb.FINISH_REASON_LENGTH or len(tokens) != self.max_new_tokens:
+            reason = "no completion" if complete is None else pb.FinishReason.Name(complete.finish_reason)
+            raise RuntimeError(f"{self.request_id} ended with {reason} after {len(tokens)} of {self.max_new_tokens} "
+                               "tokens")  # fmt: skip
+        return RequestResult(self.key, tokens, self.times[0] - self.start, self.itls, time.perf_counter() - self.start,
+                             complete.prompt_tokens, complete.cached_tokens, self.times)  # fmt: skip
+
+
+def _generate_request(request_id: str, prompt: list[int], max_new_tokens: int) -> pb.GenerateRequest:
+    sampling = pb.SamplingParams(temperature=0.0, max_new_tokens=max_new_tokens, ignore_eos=True)
+    return pb.GenerateRequest(request_id=request_id, input_ids=prompt, sampling=sampling)
+
+
 async def stream_request(stub: engine_pb2_grpc.EngineStub, request_id: str, key: str, prompt: list[int],
                          max_new_tokens: int, on_tokens: Callable[[int], None] | None = None
                          ) -> RequestResult:  # fmt: skip
     """One greedy Generate call read to its end; raises ``RuntimeError`` unless it ran to ``max_new_tokens``.
     ``on_tokens`` sees the count of tokens received after each chunk."""
-    sampling = pb.SamplingParams(temperature=0.0, max_new_tokens=max_new_tokens, ignore_eos=True)
-    message = pb.GenerateRequest(request_id=request_id, input_ids=prompt, sampling=sampling)
-    start = time.perf_counter()
-    tokens: list[int] = []
-    times: list[float] = []
-    itls: list[float] = []
-    complete = None
-    async for response in stub.Generate(message):
-        now = time.perf_counter()
-        if response.HasField("chunk"):
-            count = len(response.chunk.token_ids)
-            if times:
-                itls += [(now - times[-1]) / count] * count
-            tokens += response.chunk.token_ids
-            times += [now] * count
-            if on_tokens is not None:
-                on_tokens(len(tokens))
-        else:
-            complete = response.complete
-    if complete is None or complete.finish_reason != pb.FINISH_REASON_LENGTH or len(tokens) != max_new_tokens:
-        reason = "no completion" if complete is None else pb.FinishReason.Name(complete.finish_reason)
-        raise RuntimeError(f"{request_id} ended with {reason} after {len(tokens)} of {max_new_tokens} tokens")
-    return RequestResult(key, tokens, times[0] - start, itls, time.perf_counter() - start, complete.prompt_tokens,
-                         complete.cached_tokens, times)  # fmt: skip
+    reader = _Reader(request_id, key, max_new_tokens, on_tokens)
+    async for response in stub.Generate(_generate_request(request_id, prompt, max_new_tokens)):
+        reader.add(response)
+    return reader.result()
+
+
+class SharedStream:
+    """Requests over one ``GenerateStream`` call (the engine batches every request's responses of a wakeup into
+    one message), each read as ``stream_request`` reads its own call."""
+
+    def __init__(self, stub: engine_pb2_grpc.EngineStub) -> None:
+        self._starts: asyncio.Queue[pb.GenerateStreamRequest | None] = asyncio.Queue()
+        self._readers: dict[str, asyncio.Queue[pb.GenerateResponse]] = {}
+        self._call = stub.GenerateStream(self._inputs())
+        self._demux = asyncio.create_task(self._read())
+
+    async def _inputs(self) -> AsyncIterator[pb.GenerateStreamRequest]:
+        while (message := await self._starts.get()) is not None:
+            yield message
+
+    async def _read(self) -> None:
+        async for message in self._call:
+            for response in message.responses:
+                self._readers[response.request_id].put_nowait(response)
+
+    async def stream_request(self, request_id: str, key: str, prompt: list[int], max_new_tokens: int
+                             ) -> RequestResult:  # fmt: skip
+        reader = _Reader(request_id, key, max_new_tokens, None)
+        responses: asyncio.Queue[pb.GenerateResponse] = asyncio.Queue()
+        self._readers[request_id] = responses
+        self._starts.put_nowait(pb.GenerateStreamRequest(start=_generate_request(request_id, prompt, max_new_tokens)))
+        try:
+            while reader.complete is None:
+                if self._demux.done():  # the call ended: its error, or an end without this request's completion
+                    self._demux.result()
+                    break
+                getter = asyncio.ensure_future(responses.get())
+                await asyncio.wait({getter, self._demux}, return_when=asyncio.FIRST_COMPLETED)
+                if getter.done():
+                    reader.add(getter.result())
+                else:
+                    getter.cancel()
+        finally:
+            del self._readers[request_id]
+        return reader.result()
+
+    async def close(self) -> None:
+        self._starts.put_nowait(None)
+        self._call.cancel()
+        with contextlib.suppress(asyncio.CancelledError, grpc.aio.AioRpcError):
+            await self._demux
 
 
 async def closed_loop(stub: engine_pb2_grpc.EngineStub, tag: str, prompts: list[tuple[str, list[int]]],
-                      concurrency: int, max_new_tokens: int) -> list[RequestResult]:  # fmt: skip
-    """``concurrency`` clients, each sending the next prompt as soon as its previous request finished."""
+                      concurrency: int, max_new_tokens: int, shared_stream: bool = False
+                      ) -> list[RequestResult]:  # fmt: skip
+    """``concurrency`` clients, each sending the next prompt as soon as its previous request finished; with
+    ``shared_stream`` all of them over one ``GenerateStream`` call, else each request on its own ``Generate``."""
     pending = iter(prompts)
     results: list[RequestResult] = []
+    shared = SharedStream(stub) if shared_stream else None
 
     async def client() -> None:
         for key, prompt in pending:  # one shared iterator: each client takes the next prompt
-            results.append(await stream_request(stub, f"{tag}-{key}", key, prompt, max_new_tokens))
+            request_id = f"{tag}-{key}"
+            if shared is not None:
+                results.append(await shared.stream_request(request_id, key, prompt, max_new_tokens))
+            else:
+                results.append(await stream_request(stub, request_id, key, prompt, max_new_tokens))
 
     # A failed request cancels the other clients (TaskGroup): nothing of the point outlives it.
-    async with progress(tag, lambda: f"{len(results)}/{len(prompts)} requests done"), asyncio.TaskGroup() as group:
-        for _ in range(concurrency):
-            group.create_task(client())
+    try:
+        async with progress(tag, lambda: f"{len(results)}/{len(prompts)} requests done"), asyncio.TaskGroup() as group:
+            for _ in range(concurrency):
+                group.create_task(client())
+    finally:
+        if shared is not None:
+            await shared.close()
     return results
 
 
@@ -131,9 +215,10 @@ class ClientProcess:
         self.alive = True
 
     async def closed_loop(self, address: str, tag: str, workload: Workload, keys: list[str], concurrency: int,
-                          timeout_s: float) -> tuple[list[RequestResult], float]:  # fmt: skip
+                          timeout_s: float, shared_stream: bool = False
+                          ) -> tuple[list[RequestResult], float]:  # fmt: skip
         """The requests' results and the point's wall seconds; ``TimeoutError`` once it ran ``timeout_s``."""
-        self._conn.send((address, tag, workload, keys, concurrency, timeout_s))
+        self._conn.send((address, tag, workload, keys, concurrency, timeout_s, shared_stream))
         try:
             answer = await asyncio.wait_for(asyncio.to_thread(self._conn.recv), timeout_s + CLIENT_GRACE_S)
         except TimeoutError:
@@ -165,7 +250,7 @@ async def _serve_points(conn: Connection) -> None:
     address, channel = "", None
     prefixes: dict[Workload, list[int]] = {}
     while (command := await asyncio.to_thread(conn.recv)) is not None:
-        point_address, tag, workload, keys, concurrency, timeout_s = command
+        point_address, tag, workload, keys, concurrency, timeout_s, shared_stream = command
         if point_address != address:  # a new config's engine
             if channel is not None:
                 await channel.close()
@@ -176,7 +261,8 @@ async def _serve_points(conn: Connection) -> None:
         try:
             async with asyncio.timeout(timeout_s):
                 stub = engine_pb2_grpc.EngineStub(channel)
-                answer = ("done", await closed_loop(stub, tag, prompts, concurrency, workload.output_tokens))
+                answer = ("done", await closed_loop(stub, tag, prompts, concurrency, workload.output_tokens,
+                                                    shared_stream))  # fmt: skip
         except TimeoutError:
             answer = ("timeout", None)
         except Exception as exc:

@@ -159,7 +159,8 @@ async def measure_point(bench: Bench, served: ServedEngine, name: str, concurren
     try:
         results, seconds = await bench.client.closed_loop(served.address, f"{name}-c{concurrency}", bench.workload,
                                                           [f"c{concurrency}-{i}" for i in range(count)], concurrency,
-                                                          max(0.0, end - time.monotonic()))  # fmt: skip
+                                                          max(0.0, end - time.monotonic()),
+                                                          bench.args.engine_stream == "shared")  # fmt: skip
     except TimeoutError:
         seconds = time.perf_counter() - started
         logger.warning("config %s, concurrency %d: cancelled at the budget after %.0f s", name, concurrency, seconds)

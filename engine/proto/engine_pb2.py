@@ -24,19 +24,19 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n!m3stack/engine/proto/engine.proto\x12\x11m3stack.engine.v1\"\xc8\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\tinput_ids\x18\x02 \x03(\r\x12\x33\n\x08mm_items\x18\x03 \x03(\x0b\x32!.m3stack.engine.v1.MultimodalItem\x12\x33\n\x08sampling\x18\x04 \x01(\x0b\x32!.m3stack.engine.v1.SamplingParams\x12\x12\n\ncache_salt\x18\x05 \x01(\t\x12\x10\n\x08priority\x18\x06 \x01(\x05\"\xa0\x03\n\x0eSamplingParams\x12\x18\n\x0btemperature\x18\x01 \x01(\x02H\x00\x88\x01\x01\x12\x12\n\x05top_p\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_k\x18\x03 \x01(\x05H\x02\x88\x01\x01\x12\x12\n\x05min_p\x18\x04 \x01(\x02H\x03\x88\x01\x01\x12\x11\n\x04seed\x18\x05 \x01(\x04H\x04\x88\x01\x01\x12\x1b\n\x0emax_new_tokens\x18\x06 \x01(\rH\x05\x88\x01\x01\x12\x1b\n\x0emin_new_tokens\x18\x07 \x01(\rH\x06\x88\x01\x01\x12\x16\n\x0estop_token_ids\x18\x08 \x03(\r\x12\x17\n\nignore_eos\x18\t \x01(\x08H\x07\x88\x01\x01\x12\x15\n\x08logprobs\x18\n \x01(\x08H\x08\x88\x01\x01\x12\x19\n\x0ctop_logprobs\x18\x0b \x01(\rH\t\x88\x01\x01\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x08\n\x06_min_pB\x07\n\x05_seedB\x11\n\x0f_max_new_tokensB\x11\n\x0f_min_new_tokensB\r\n\x0b_ignore_eosB\x0b\n\t_logprobsB\x0f\n\r_top_logprobs\"9\n\tShmHandle\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0e\n\x06offset\x18\x02 \x01(\x04\x12\x0e\n\x06nbytes\x18\x03 \x01(\x04\"\x8f\x01\n\x06Tensor\x12\r\n\x05shape\x18\x01 \x03(\x04\x12\'\n\x05\x64type\x18\x02 \x01(\x0e\x32\x18.m3stack.engine.v1.DType\x12\x15\n\x0binline_data\x18\x03 \x01(\x0cH\x00\x12+\n\x03shm\x18\x04 \x01(\x0b\x32\x1c.m3stack.engine.v1.ShmHandleH\x00\x42\t\n\x07payload\"2\n\x10PlaceholderRange\x12\x0e\n\x06offset\x18\x01 \x01(\r\x12\x0e\n\x06length\x18\x02 \x01(\r\"\xd3\x01\n\x0eMultimodalItem\x12-\n\x08modality\x18\x01 \x01(\x0e\x32\x1b.m3stack.engine.v1.Modality\x12/\n\x0cpixel_values\x18\x02 \x01(\x0b\x32\x19.m3stack.engine.v1.Tensor\x12\x10\n\x08grid_thw\x18\x03 \x03(\r\x12\x39\n\x0cplaceholders\x18\x04 \x03(\x0b\x32#.m3stack.engine.v1.PlaceholderRange\x12\x14\n\x0c\x63ontent_hash\x18\x05 \x01(\t\"\x9e\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x31\n\x05\x63hunk\x18\x02 \x01(\x0b\x32 .m3stack.engine.v1.GenerateChunkH\x00\x12\x37\n\x08\x63omplete\x18\x03 \x01(\x0b\x32#.m3stack.engine.v1.GenerateCompleteH\x00\x42\n\n\x08response\"2\n\x0bTopLogprobs\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x10\n\x08logprobs\x18\x02 \x03(\x02\"\xb3\x01\n\rGenerateChunk\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x10\n\x08logprobs\x18\x02 \x03(\x02\x12\x34\n\x0ctop_logprobs\x18\x03 \x03(\x0b\x32\x1e.m3stack.engine.v1.TopLogprobs\x12\x15\n\rprompt_tokens\x18\x04 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x05 \x01(\r\x12\x15\n\rcached_tokens\x18\x06 \x01(\r\"\xe8\x01\n\x10GenerateComplete\x12\x36\n\rfinish_reason\x18\x01 \x01(\x0e\x32\x1f.m3stack.engine.v1.FinishReason\x12\"\n\x15matched_stop_token_id\x18\x02 \x01(\rH\x00\x88\x01\x01\x12\x15\n\rprompt_tokens\x18\x03 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x04 \x01(\r\x12\x15\n\rcached_tokens\x18\x05 \x01(\r\x12\x15\n\rabort_message\x18\x06 \x01(\tB\x18\n\x16_matched_stop_token_id\"2\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x06reason\x18\x02 \x01(\t\"\x1e\n\rAbortResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"\x14\n\x12HealthCheckRequest\"K\n\x13HealthCheckResponse\x12\x0f\n\x07healthy\x18\x01 \x01(\x08\x12\x0f\n\x07message\x18\x02 \x01(\t\x12\x12\n\nlatency_ms\x18\x03 \x01(\x02\"\x15\n\x13GetModelInfoRequest\"\xca\x02\n\tModelInfo\x12\x12\n\nmodel_path\x18\x01 \x01(\t\x12\x19\n\x11served_model_name\x18\x02 \x01(\t\x12\x12\n\nmodel_type\x18\x03 \x01(\t\x12\x1a\n\x12max_context_length\x18\x04 \x01(\r\x12\x12\n\nvocab_size\x18\x05 \x01(\r\x12\x15\n\reos_token_ids\x18\x06 \x03(\r\x12\x17\n\x0fsupports_vision\x18\x07 \x01(\x08\x12\x15\n\rkv_block_size\x18\x08 \x01(\r\x12\x16\n\x0eimage_token_id\x18\t \x01(\r\x12\x16\n\x0evideo_token_id\x18\n \x01(\r\x12\r\n\x05\x64type\x18\x0b \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x0c \x01(\t\x12\x16\n\x0e\x65ngine_version\x18\r \x01(\t\x12\x1c\n\x14tensor_parallel_size\x18\x0e \x01(\r\"\x11\n\x0fGetLoadsRequest\"\xd0\x01\n\x05Loads\x12\x13\n\x0bnum_running\x18\x01 \x01(\r\x12\x13\n\x0bnum_waiting\x18\x02 \x01(\r\x12\x10\n\x08kv_usage\x18\x03 \x01(\x02\x12\x15\n\rhost_kv_usage\x18\x04 \x01(\x02\x12\x17\n\x0fnum_used_tokens\x18\x05 \x01(\x04\x12\x17\n\x0fprefix_hit_rate\x18\x06 \x01(\x02\x12\x10\n\x08\x64raining\x18\x07 \x01(\x08\x12\x17\n\x0fmax_num_running\x18\x08 \x01(\r\x12\x17\n\x0fmax_num_waiting\x18\t \x01(\r*L\n\x08Modality\x12\x18\n\x14MODALITY_UNSPECIFIED\x10\x00\x12\x12\n\x0eMODALITY_IMAGE\x10\x01\x12\x12\n\x0eMODALITY_VIDEO\x10\x02*i\n\x05\x44Type\x12\x15\n\x11\x44TYPE_UNSPECIFIED\x10\x00\x12\x0f\n\x0b\x44TYPE_UINT8\x10\x01\x12\x12\n\x0e\x44TYPE_BFLOAT16\x10\x02\x12\x11\n\rDTYPE_FLOAT16\x10\x03\x12\x11\n\rDTYPE_FLOAT32\x10\x04*x\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x32\xa9\x03\n\x06\x45ngine\x12U\n\x08Generate\x12\".m3stack.engine.v1.GenerateRequest\x1a#.m3stack.engine.v1.GenerateResponse0\x01\x12J\n\x05\x41\x62ort\x12\x1f.m3stack.engine.v1.AbortRequest\x1a .m3stack.engine.v1.AbortResponse\x12\\\n\x0bHealthCheck\x12%.m3stack.engine.v1.HealthCheckRequest\x1a&.m3stack.engine.v1.HealthCheckResponse\x12T\n\x0cGetModelInfo\x12&.m3stack.engine.v1.GetModelInfoRequest\x1a\x1c.m3stack.engine.v1.ModelInfo\x12H\n\x08GetLoads\x12\".m3stack.engine.v1.GetLoadsRequest\x1a\x18.m3stack.engine.v1.Loadsb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n!m3stack/engine/proto/engine.proto\x12\x11m3stack.engine.v1\"\xc8\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\tinput_ids\x18\x02 \x03(\r\x12\x33\n\x08mm_items\x18\x03 \x03(\x0b\x32!.m3stack.engine.v1.MultimodalItem\x12\x33\n\x08sampling\x18\x04 \x01(\x0b\x32!.m3stack.engine.v1.SamplingParams\x12\x12\n\ncache_salt\x18\x05 \x01(\t\x12\x10\n\x08priority\x18\x06 \x01(\x05\"\xa0\x03\n\x0eSamplingParams\x12\x18\n\x0btemperature\x18\x01 \x01(\x02H\x00\x88\x01\x01\x12\x12\n\x05top_p\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_k\x18\x03 \x01(\x05H\x02\x88\x01\x01\x12\x12\n\x05min_p\x18\x04 \x01(\x02H\x03\x88\x01\x01\x12\x11\n\x04seed\x18\x05 \x01(\x04H\x04\x88\x01\x01\x12\x1b\n\x0emax_new_tokens\x18\x06 \x01(\rH\x05\x88\x01\x01\x12\x1b\n\x0emin_new_tokens\x18\x07 \x01(\rH\x06\x88\x01\x01\x12\x16\n\x0estop_token_ids\x18\x08 \x03(\r\x12\x17\n\nignore_eos\x18\t \x01(\x08H\x07\x88\x01\x01\x12\x15\n\x08logprobs\x18\n \x01(\x08H\x08\x88\x01\x01\x12\x19\n\x0ctop_logprobs\x18\x0b \x01(\rH\t\x88\x01\x01\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x08\n\x06_min_pB\x07\n\x05_seedB\x11\n\x0f_max_new_tokensB\x11\n\x0f_min_new_tokensB\r\n\x0b_ignore_eosB\x0b\n\t_logprobsB\x0f\n\r_top_logprobs\"9\n\tShmHandle\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0e\n\x06offset\x18\x02 \x01(\x04\x12\x0e\n\x06nbytes\x18\x03 \x01(\x04\"\x8f\x01\n\x06Tensor\x12\r\n\x05shape\x18\x01 \x03(\x04\x12\'\n\x05\x64type\x18\x02 \x01(\x0e\x32\x18.m3stack.engine.v1.DType\x12\x15\n\x0binline_data\x18\x03 \x01(\x0cH\x00\x12+\n\x03shm\x18\x04 \x01(\x0b\x32\x1c.m3stack.engine.v1.ShmHandleH\x00\x42\t\n\x07payload\"2\n\x10PlaceholderRange\x12\x0e\n\x06offset\x18\x01 \x01(\r\x12\x0e\n\x06length\x18\x02 \x01(\r\"\xd3\x01\n\x0eMultimodalItem\x12-\n\x08modality\x18\x01 \x01(\x0e\x32\x1b.m3stack.engine.v1.Modality\x12/\n\x0cpixel_values\x18\x02 \x01(\x0b\x32\x19.m3stack.engine.v1.Tensor\x12\x10\n\x08grid_thw\x18\x03 \x03(\r\x12\x39\n\x0cplaceholders\x18\x04 \x03(\x0b\x32#.m3stack.engine.v1.PlaceholderRange\x12\x14\n\x0c\x63ontent_hash\x18\x05 \x01(\t\"\xd1\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x31\n\x05\x63hunk\x18\x02 \x01(\x0b\x32 .m3stack.engine.v1.GenerateChunkH\x00\x12\x37\n\x08\x63omplete\x18\x03 \x01(\x0b\x32#.m3stack.engine.v1.GenerateCompleteH\x00\x12\x31\n\x05\x65rror\x18\x04 \x01(\x0b\x32 .m3stack.engine.v1.GenerateErrorH\x00\x42\n\n\x08response\".\n\rGenerateError\x12\x0c\n\x04\x63ode\x18\x01 \x01(\r\x12\x0f\n\x07message\x18\x02 \x01(\t\"\x89\x01\n\x15GenerateStreamRequest\x12\x33\n\x05start\x18\x01 \x01(\x0b\x32\".m3stack.engine.v1.GenerateRequestH\x00\x12\x30\n\x05\x61\x62ort\x18\x02 \x01(\x0b\x32\x1f.m3stack.engine.v1.AbortRequestH\x00\x42\t\n\x07request\"P\n\x16GenerateStreamResponse\x12\x36\n\tresponses\x18\x01 \x03(\x0b\x32#.m3stack.engine.v1.GenerateResponse\"2\n\x0bTopLogprobs\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x10\n\x08logprobs\x18\x02 \x03(\x02\"\xb3\x01\n\rGenerateChunk\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x10\n\x08logprobs\x18\x02 \x03(\x02\x12\x34\n\x0ctop_logprobs\x18\x03 \x03(\x0b\x32\x1e.m3stack.engine.v1.TopLogprobs\x12\x15\n\rprompt_tokens\x18\x04 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x05 \x01(\r\x12\x15\n\rcached_tokens\x18\x06 \x01(\r\"\xe8\x01\n\x10GenerateComplete\x12\x36\n\rfinish_reason\x18\x01 \x01(\x0e\x32\x1f.m3stack.engine.v1.FinishReason\x12\"\n\x15matched_stop_token_id\x18\x02 \x01(\rH\x00\x88\x01\x01\x12\x15\n\rprompt_tokens\x18\x03 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x04 \x01(\r\x12\x15\n\rcached_tokens\x18\x05 \x01(\r\x12\x15\n\rabort_message\x18\x06 \x01(\tB\x18\n\x16_matched_stop_token_id\"2\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x06reason\x18\x02 \x01(\t\"\x1e\n\rAbortResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"\x14\n\x12HealthCheckRequest\"K\n\x13HealthCheckResponse\x12\x0f\n\x07healthy\x18\x01 \x01(\x08\x12\x0f\n\x07message\x18\x02 \x01(\t\x12\x12\n\nlatency_ms\x18\x03 \x01(\x02\"\x15\n\x13GetModelInfoRequest\"\xca\x02\n\tModelInfo\x12\x12\n\nmodel_path\x18\x01 \x01(\t\x12\x19\n\x11served_model_name\x18\x02 \x01(\t\x12\x12\n\nmodel_type\x18\x03 \x01(\t\x12\x1a\n\x12max_context_length\x18\x04 \x01(\r\x12\x12\n\nvocab_size\x18\x05 \x01(\r\x12\x15\n\reos_token_ids\x18\x06 \x03(\r\x12\x17\n\x0fsupports_vision\x18\x07 \x01(\x08\x12\x15\n\rkv_block_size\x18\x08 \x01(\r\x12\x16\n\x0eimage_token_id\x18\t \x01(\r\x12\x16\n\x0evideo_token_id\x18\n \x01(\r\x12\r\n\x05\x64type\x18\x0b \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x0c \x01(\t\x12\x16\n\x0e\x65ngine_version\x18\r \x01(\t\x12\x1c\n\x14tensor_parallel_size\x18\x0e \x01(\r\"\x11\n\x0fGetLoadsRequest\"\xd0\x01\n\x05Loads\x12\x13\n\x0bnum_running\x18\x01 \x01(\r\x12\x13\n\x0bnum_waiting\x18\x02 \x01(\r\x12\x10\n\x08kv_usage\x18\x03 \x01(\x02\x12\x15\n\rhost_kv_usage\x18\x04 \x01(\x02\x12\x17\n\x0fnum_used_tokens\x18\x05 \x01(\x04\x12\x17\n\x0fprefix_hit_rate\x18\x06 \x01(\x02\x12\x10\n\x08\x64raining\x18\x07 \x01(\x08\x12\x17\n\x0fmax_num_running\x18\x08 \x01(\r\x12\x17\n\x0fmax_num_waiting\x18\t \x01(\r*L\n\x08Modality\x12\x18\n\x14MODALITY_UNSPECIFIED\x10\x00\x12\x12\n\x0eMODALITY_IMAGE\x10\x01\x12\x12\n\x0eMODALITY_VIDEO\x10\x02*i\n\x05\x44Type\x12\x15\n\x11\x44TYPE_UNSPECIFIED\x10\x00\x12\x0f\n\x0b\x44TYPE_UINT8\x10\x01\x12\x12\n\x0e\x44TYPE_BFLOAT16\x10\x02\x12\x11\n\rDTYPE_FLOAT16\x10\x03\x12\x11\n\rDTYPE_FLOAT32\x10\x04*x\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x32\x94\x04\n\x06\x45ngine\x12U\n\x08Generate\x12\".m3stack.engine.v1.GenerateRequest\x1a#.m3stack.engine.v1.GenerateResponse0\x01\x12i\n\x0eGenerateStream\x12(.m3stack.engine.v1.GenerateStreamRequest\x1a).m3stack.engine.v1.GenerateStreamResponse(\x01\x30\x01\x12J\n\x05\x41\x62ort\x12\x1f.m3stack.engine.v1.AbortRequest\x1a .m3stack.engine.v1.AbortResponse\x12\\\n\x0bHealthCheck\x12%.m3stack.engine.v1.HealthCheckRequest\x1a&.m3stack.engine.v1.HealthCheckResponse\x12T\n\x0cGetModelInfo\x12&.m3stack.engine.v1.GetModelInfoRequest\x1a\x1c.m3stack.engine.v1.ModelInfo\x12H\n\x08GetLoads\x12\".m3stack.engine.v1.GetLoadsRequest\x1a\x18.m3stack.engine.v1.Loadsb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'm3stack.engine.proto.engine_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_MODALITY']._serialized_start=2548
-  _globals['_MODALITY']._serialized_end=2624
-  _globals['_DTYPE']._serialized_start=2626
-  _globals['_DTYPE']._serialized_end=2731
-  _globals['_FINISHREASON']._serialized_start=2733
-  _globals['_FINISHREASON']._serialized_end=2853
+  _globals['_MODALITY']._serialized_start=2869
+  _globals['_MODALITY']._serialized_end=2945
+  _globals['_DTYPE']._serialized_start=2947
+  _globals['_DTYPE']._serialized_end=3052
+  _globals['_FINISHREASON']._serialized_start=3054
+  _globals['_FINISHREASON']._serialized_end=3174
   _globals['_GENERATEREQUEST']._serialized_start=57
   _globals['_GENERATEREQUEST']._serialized_end=257
   _globals['_SAMPLINGPARAMS']._serialized_start=260
@@ -50,29 +50,35 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_MULTIMODALITEM']._serialized_start=936
   _globals['_MULTIMODALITEM']._serialized_end=1147
   _globals['_GENERATERESPONSE']._serialized_start=1150
-  _globals['_GENERATERESPONSE']._serialized_end=1308
-  _globals['_TOPLOGPROBS']._serialized_start=1310
-  _globals['_TOPLOGPROBS']._serialized_end=1360
-  _globals['_GENERATECHUNK']._serialized_start=1363
-  _globals['_GENERATECHUNK']._serialized_end=1542
-  _globals['_GENERATECOMPLETE']._serialized_start=1545
-  _globals['_GENERATECOMPLETE']._serialized_end=1777
-  _globals['_ABORTREQUEST']._serialized_start=1779
-  _globals['_ABORTREQUEST']._serialized_end=1829
-  _globals['_ABORTRESPONSE']._serialized_start=1831
-  _globals['_ABORTRESPONSE']._serialized_end=1861
-  _globals['_HEALTHCHECKREQUEST']._serialized_start=1863
-  _globals['_HEALTHCHECKREQUEST']._serialized_end=1883
-  _globals['_HEALTHCHECKRESPONSE']._serialized_start=1885
-  _globals['_HEALTHCHECKRESPONSE']._serialized_end=1960
-  _globals['_GETMODELINFOREQUEST']._serialized_start=1962
-  _globals['_GETMODELINFOREQUEST']._serialized_end=1983
-  _globals['_MODELINFO']._serialized_start=1986
-  _globals['_MODELINFO']._serialized_end=2316
-  _globals['_GETLOADSREQUEST']._serialized_start=2318
-  _globals['_GETLOADSREQUEST']._serialized_end=2335
-  _globals['_LOADS']._serialized_start=2338
-  _globals['_LOADS']._serialized_end=2546
-  _globals['_ENGINE']._serialized_start=2856
-  _globals['_ENGINE']._serialized_end=3281
+  _globals['_GENERATERESPONSE']._serialized_end=1359
+  _globals['_GENERATEERROR']._serialized_start=1361
+  _globals['_GENERATEERROR']._serialized_end=1407
+  _globals['_GENERATESTREAMREQUEST']._serialized_start=1410
+  _globals['_GENERATESTREAMREQUEST']._serialized_end=1547
+  _globals['_GENERATESTREAMRESPONSE']._serialized_start=1549
+  _globals['_GENERATESTREAMRESPONSE']._serialized_end=1629
+  _globals['_TOPLOGPROBS']._serialized_start=1631
+  _globals['_TOPLOGPROBS']._serialized_end=1681
+  _globals['_GENERATECHUNK']._serialized_start=1684
+  _globals['_GENERATECHUNK']._serialized_end=1863
+  _globals['_GENERATECOMPLETE']._serialized_start=1866
+  _globals['_GENERATECOMPLETE']._serialized_end=2098
+  _globals['_ABORTREQUEST']._serialized_start=2100
+  _globals['_ABORTREQUEST']._serialized_end=2150
+  _globals['_ABORTRESPONSE']._serialized_start=2152
+  _globals['_ABORTRESPONSE']._serialized_end=2182
+  _globals['_HEALTHCHECKREQUEST']._serialized_start=2184
+  _globals['_HEALTHCHECKREQUEST']._serialized_end=2204
+  _globals['_HEALTHCHECKRESPONSE']._serialized_start=2206
+  _globals['_HEALTHCHECKRESPONSE']._serialized_end=2281
+  _globals['_GETMODELINFOREQUEST']._serialized_start=2283
+  _globals['_GETMODELINFOREQUEST']._serialized_end=2304
+  _globals['_MODELINFO']._serialized_start=2307
+  _globals['_MODELINFO']._serialized_end=2637
+  _globals['_GETLOADSREQUEST']._serialized_start=2639
+  _globals['_GETLOADSREQUEST']._serialized_end=2656
+  _globals['_LOADS']._serialized_start=2659
+  _globals['_LOADS']._serialized_end=2867
+  _globals['_ENGINE']._serialized_start=3177
+  _globals['_ENGINE']._serialized_end=3709
 # @@protoc_insertion_point(module_scope)

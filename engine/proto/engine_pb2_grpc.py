@@ -39,6 +39,11 @@ class EngineStub:
                 request_serializer=m3stack_dot_engine_dot_proto_dot_engine__pb2.GenerateRequest.SerializeToString,
                 response_deserializer=m3stack_dot_engine_dot_proto_dot_engine__pb2.GenerateResponse.FromString,
                 _registered_method=True)
+        self.GenerateStream = channel.stream_stream(
+                '/m3stack.engine.v1.Engine/GenerateStream',
+                request_serializer=m3stack_dot_engine_dot_proto_dot_engine__pb2.GenerateStreamRequest.SerializeToString,
+                response_deserializer=m3stack_dot_engine_dot_proto_dot_engine__pb2.GenerateStreamResponse.FromString,
+                _registered_method=True)
         self.Abort = channel.unary_unary(
                 '/m3stack.engine.v1.Engine/Abort',
                 request_serializer=m3stack_dot_engine_dot_proto_dot_engine__pb2.AbortRequest.SerializeToString,
@@ -67,6 +72,18 @@ class EngineServicer:
     def Generate(self, request, context):
         """Streams one GenerateResponse with a chunk per engine step that produced tokens, then exactly
         one GenerateResponse with `complete`.  Cancelling the call aborts the request.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GenerateStream(self, request_iterator, context):
+        """Many requests over one stream (a gateway connection's): starts and aborts in; out, one message per
+        wakeup with every response ready for the stream's requests (each request's in its order, as Generate
+        would send them), a refused or failed request as a response with `error` (a start whose request_id
+        is live gets ALREADY_EXISTS and leaves the live one running).  Per-request streams cost
+        the server one gRPC message a request a step; this costs one a step.  Closing the stream aborts its
+        live requests.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -106,6 +123,11 @@ def add_EngineServicer_to_server(servicer, server):
                     servicer.Generate,
                     request_deserializer=m3stack_dot_engine_dot_proto_dot_engine__pb2.GenerateRequest.FromString,
                     response_serializer=m3stack_dot_engine_dot_proto_dot_engine__pb2.GenerateResponse.SerializeToString,
+            ),
+            'GenerateStream': grpc.stream_stream_rpc_method_handler(
+                    servicer.GenerateStream,
+                    request_deserializer=m3stack_dot_engine_dot_proto_dot_engine__pb2.GenerateStreamRequest.FromString,
+                    response_serializer=m3stack_dot_engine_dot_proto_dot_engine__pb2.GenerateStreamResponse.SerializeToString,
             ),
             'Abort': grpc.unary_unary_rpc_method_handler(
                     servicer.Abort,
@@ -155,6 +177,33 @@ class Engine:
             '/m3stack.engine.v1.Engine/Generate',
             m3stack_dot_engine_dot_proto_dot_engine__pb2.GenerateRequest.SerializeToString,
             m3stack_dot_engine_dot_proto_dot_engine__pb2.GenerateResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GenerateStream(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/m3stack.engine.v1.Engine/GenerateStream',
+            m3stack_dot_engine_dot_proto_dot_engine__pb2.GenerateStreamRequest.SerializeToString,
+            m3stack_dot_engine_dot_proto_dot_engine__pb2.GenerateStreamResponse.FromString,
             options,
             channel_credentials,
             insecure,

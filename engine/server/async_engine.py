@@ -3,7 +3,8 @@
 The step loop runs on a dedicated thread so a forward pass never blocks the event loop.  Requests
 and aborts travel to it through a command queue that it drains before every step, so an abort (or
 a cancelled stream) frees the request's blocks before the next forward.  Each step's outputs come
-back in one ``call_soon_threadsafe`` and are routed to per-request asyncio queues.
+back in one ``call_soon_threadsafe`` and are routed to each request's sink: an asyncio queue behind
+``generate``, or whatever ``submit`` was given (a multiplexed stream's buffer).
 """
 
 import asyncio
@@ -16,6 +17,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
+from typing import Protocol
 
 from m3stack.engine.runtime.engine_core import EngineCore, EngineStats, StepReport
 from m3stack.engine.runtime.errors import DuplicateRequestError, EngineError, EngineUnavailableError
@@ -27,6 +29,11 @@ logger = logging.getLogger(__name__)
 HEALTH_REQUEST_PREFIX = "__health__-"
 # Idle wait between checks for commands; bounds how long stop() takes.
 _IDLE_POLL_S = 0.1
+
+
+class OutputSink(Protocol):
+    def put_nowait(self, output: RequestOutput, /) -> None:
+        """Called on the event loop's thread with each output of the request, in order."""
 
 
 @dataclass
@@ -72,7 +79,7 @@ class AsyncEngine:
         self.draining = False
         self.fatal_error: str | None = None
         self._commands: queue.SimpleQueue[_Add | _Abort | _Call] = queue.SimpleQueue()
-        self._streams: dict[str, asyncio.Queue[RequestOutput]] = {}
+        self._streams: dict[str, OutputSink] = {}  # live requests, until their consumer releases them
         self._stop = threading.Event()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
@@ -110,15 +117,8 @@ class AsyncEngine:
         Each item holds every output that arrived since the previous one (a slow reader gets several
         steps' tokens at once).  Leaving the iteration early (the client cancelled) aborts the request.
         """
-        if self.fatal_error is not None:
-            raise EngineUnavailableError(f"the engine stopped after an internal error: {self.fatal_error}")
-        if self.draining and not bypass_queue_limit:
-            raise EngineUnavailableError("the engine is draining and admits no new requests")
-        if request.request_id in self._streams:
-            raise DuplicateRequestError(f"request_id {request.request_id!r} is already running")
         stream: asyncio.Queue[RequestOutput] = asyncio.Queue()
-        self._streams[request.request_id] = stream
-        self._commands.put(_Add(request, bypass_queue_limit))
+        self.submit(request, stream, bypass_queue_limit=bypass_queue_limit)
         finished = False
         try:
             while not finished:
@@ -132,9 +132,26 @@ class AsyncEngine:
                     finished = finished or output.finished
                 yield outputs
         finally:
-            self._streams.pop(request.request_id, None)
-            if not finished:
-                self._commands.put(_Abort(request.request_id, "the client cancelled the request"))
+            self.release(request.request_id, finished)
+
+    def submit(self, request: Request, sink: OutputSink, *, bypass_queue_limit: bool = False) -> None:
+        """Start ``request``: its outputs go to ``sink.put_nowait`` on the event loop's thread, the last one
+        finished or carrying an error.  The caller then calls ``release``; until then the request counts as
+        live (``drain`` waits for it).  Raises ``EngineError`` when the engine admits nothing."""
+        if self.fatal_error is not None:
+            raise EngineUnavailableError(f"the engine stopped after an internal error: {self.fatal_error}")
+        if self.draining and not bypass_queue_limit:
+            raise EngineUnavailableError("the engine is draining and admits no new requests")
+        if request.request_id in self._streams:
+            raise DuplicateRequestError(f"request_id {request.request_id!r} is already running")
+        self._streams[request.request_id] = sink
+        self._commands.put(_Add(request, bypass_queue_limit))
+
+    def release(self, request_id: str, finished: bool) -> None:
+        """The consumer is done with a submitted request; one that has not finished is aborted."""
+        self._streams.pop(request_id, None)
+        if not finished:
+            self._commands.put(_Abort(request_id, "the client cancelled the request"))
 
     def abort(self, request_id: str, message: str) -> bool:
         """Abort a live request; its stream ends with finish reason ABORT.  False when no such request lives."""

@@ -4,9 +4,12 @@ Every failure travels as a status code (engine.proto): bad input -> INVALID_ARGU
 request reaches the scheduler; a full waiting queue -> RESOURCE_EXHAUSTED; draining or a dead
 engine loop -> UNAVAILABLE; a live duplicate id -> ALREADY_EXISTS.  Cancelling a Generate call
 (client gone, deadline passed) aborts the request, which frees its KV blocks before the next step.
+``GenerateStream`` (engine.server.multiplex) carries the same codes in-band, per request.
 """
 
+import asyncio
 import logging
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 import grpc
@@ -17,9 +20,11 @@ from m3stack import __version__
 from m3stack.engine.proto import engine_pb2 as pb
 from m3stack.engine.proto import engine_pb2_grpc
 from m3stack.engine.runtime.errors import EngineError, ErrorCode
+from m3stack.engine.runtime.request import Request
 from m3stack.engine.runtime.validation import build_request
 from m3stack.engine.server.async_engine import AsyncEngine
 from m3stack.engine.server.convert import mm_items_from_proto, responses_from_outputs, sampling_from_proto
+from m3stack.engine.server.multiplex import MultiplexedStream
 
 logger = logging.getLogger(__name__)
 
@@ -49,23 +54,38 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
         self.info = engine.info
         self.settings = settings
 
+    def _build(self, request: pb.GenerateRequest) -> Request:
+        return build_request(
+            self.info,
+            request.request_id,
+            request.input_ids,
+            sampling_from_proto(request.sampling),
+            mm_items=mm_items_from_proto(request.mm_items, self.settings.max_tensor_bytes),
+            cache_salt=request.cache_salt,
+            priority=request.priority,
+        )
+
     # Method names are the service's RPC names, hence N802.
     async def Generate(self, request: pb.GenerateRequest, context: Context):  # noqa: N802
         try:
-            engine_request = build_request(
-                self.info,
-                request.request_id,
-                request.input_ids,
-                sampling_from_proto(request.sampling),
-                mm_items=mm_items_from_proto(request.mm_items, self.settings.max_tensor_bytes),
-                cache_salt=request.cache_salt,
-                priority=request.priority,
-            )
+            engine_request = self._build(request)
             async for outputs in self.engine.generate(engine_request):
                 for response in responses_from_outputs(request.request_id, outputs):
                     yield response
         except EngineError as exc:
             await context.abort(_STATUS[exc.code], exc.message)
+
+    async def GenerateStream(  # noqa: N802
+        self, inputs: AsyncIterator[pb.GenerateStreamRequest], context: Context
+    ) -> AsyncIterator[pb.GenerateStreamResponse]:
+        stream = MultiplexedStream(self.engine, self._build, lambda exc: _STATUS[exc.code])
+        reader = asyncio.create_task(stream.read_inputs(inputs))
+        try:
+            async for message in stream.responses():
+                yield message
+        finally:
+            reader.cancel()
+            stream.close()
 
     async def Abort(self, request: pb.AbortRequest, context: Context) -> pb.AbortResponse:  # noqa: N802
         found = self.engine.abort(request.request_id, request.reason or "aborted by the caller")

@@ -73,6 +73,17 @@ def test_every_config_and_concurrency_measured_offload_gives_the_same_tokens(tmp
     assert plot.tag.endswith("svg") and len(plot.findall(".//{http://www.w3.org/2000/svg}polyline")) == 3 * 4
 
 
+def test_clients_sharing_one_engine_stream_get_the_same_tokens(tmp_path):
+    """--engine-stream shared: every request of a point over one GenerateStream, read as its own call is."""
+    own = run([*SHAPES, "--configs", "b", "--long-context", "0", "--budget-s", "60", "--out", str(tmp_path / "own")])
+    shared = run([*SHAPES, "--configs", "b", "--long-context", "0", "--budget-s", "60", "--engine-stream", "shared",
+                  "--out", str(tmp_path / "shared")])  # fmt: skip
+    warm_keys = {f"c{n}-{i}" for n in (1, 2) for i in range(3)}
+    assert shared.tokens["b"] == own.tokens["b"] and warm_keys <= set(own.tokens["b"])
+    for row in _warm(shared.rows).values():
+        assert "error" not in row and row["output_tokens"] == row["requests"] * OUTPUT and row["itl_p50_ms"] > 0
+
+
 def test_points_past_the_budget_are_skipped_and_the_results_still_written(tmp_path):
     bench = run([*SHAPES, "--configs", "b,c", "--long-context", "0", "--budget-s", "2.5",
                  "--out", str(tmp_path), "--name", "short"])  # fmt: skip
