@@ -54,6 +54,13 @@ def add_arguments(opts: OptionGroup) -> None:
         default=3,
         help="engines tried per request before its first token (retries go to other engines)",
     )
+    opts.add(
+        "--engine-stream",
+        default="shared",
+        choices=["shared", "request"],
+        help="shared: all requests to an engine over one gRPC stream, the engine sending each wakeup's responses "
+        "in one message; request: a Generate stream per request (one message per request per step)",
+    )
     opts.add("--breaker-failures", type=options.positive_int, default=5, help="failures in a row that open a breaker")
     opts.add("--breaker-open", type=options.positive_float, default=10.0, help="seconds a breaker stays open")
     opts.add("--health-interval", type=options.positive_float, default=1.0, help="seconds between engine probes")
@@ -102,6 +109,7 @@ def build_config(args: argparse.Namespace) -> "GatewayConfig":
         max_request_bytes=args.max_request_bytes,
         tokenizer_threads=args.tokenizer_threads,
         max_attempts=args.max_attempts,
+        engine_stream=args.engine_stream,
         breaker=BreakerSettings(failure_threshold=args.breaker_failures, open_s=args.breaker_open),
         probe=ProbeSettings(interval_s=args.health_interval, timeout_s=args.health_timeout),
         media_workers=args.media_workers,

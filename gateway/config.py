@@ -21,11 +21,14 @@ class GatewayConfig:
     max_request_bytes: int = 64 * 2**20
     tokenizer_threads: int = 2
     max_attempts: int = 3  # engines tried per request before its first token
+    engine_stream: str = "shared"  # shared: one GenerateStream per engine; request: a Generate call per request
     breaker: BreakerSettings = field(default_factory=BreakerSettings)
     probe: ProbeSettings = field(default_factory=ProbeSettings)
     media_workers: int | None = None  # image/video worker processes; None: one per core, 0: no media input
     media_limits: MediaLimits = field(default_factory=MediaLimits)
 
     def __post_init__(self) -> None:
+        if self.engine_stream not in ("shared", "request"):
+            raise ValueError(f"engine_stream must be shared or request, not {self.engine_stream!r}")
         if not self.engines and self.engine_service is None:
             raise ValueError("give the engines: a HOST:PORT list or the DNS name of their headless Service")

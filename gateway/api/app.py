@@ -78,7 +78,7 @@ class GatewayState:
         self.chat_template = ChatTemplate(template, self.tokenizer.special_tokens) if template else None
         self.executor = ThreadPoolExecutor(max_workers=config.tokenizer_threads, thread_name_prefix="tokenize")
         self.media = media_pipeline(config)
-        self.pool = EnginePool(config.breaker, config.probe, self.metrics)
+        self.pool = EnginePool(config.breaker, config.probe, self.metrics, config.engine_stream == "shared")
         self.policy = make_policy(config.routing, load_penalty=config.prefix_load_penalty)
         self.dispatcher = Dispatcher(self.pool, self.policy, self.metrics, config.max_attempts)
         self.service = CompletionService(

@@ -16,6 +16,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from m3stack.engine.proto import engine_pb2, engine_pb2_grpc
 from m3stack.gateway.engines.breaker import BreakerSettings, CircuitBreaker
+from m3stack.gateway.engines.shared_stream import MultiplexedCall, SharedStream
 from m3stack.gateway.metrics import GatewayMetrics
 
 logger = logging.getLogger(__name__)
@@ -28,6 +29,8 @@ CHANNEL_OPTIONS = (
     ("grpc.enable_retries", 0),
 )
 ABORT_TIMEOUT_S = 2.0
+# A request's engine call: its own Generate stream, or its view of the engine's shared GenerateStream.
+GenerateCall = grpc.aio.UnaryStreamCall | MultiplexedCall
 
 
 class EngineStatus(enum.Enum):
@@ -45,7 +48,14 @@ class ProbeSettings:
 
 
 class EngineClient:
-    def __init__(self, address: str, breaker: BreakerSettings, probe: ProbeSettings, metrics: GatewayMetrics) -> None:
+    def __init__(
+        self,
+        address: str,
+        breaker: BreakerSettings,
+        probe: ProbeSettings,
+        metrics: GatewayMetrics,
+        shared_stream: bool = True,
+    ) -> None:
         self.address = address
         self.channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
         self.stub = engine_pb2_grpc.EngineStub(self.channel)
@@ -58,7 +68,9 @@ class EngineClient:
         self.down_reason = ""
         self._probe = probe
         self._probe_failures = 0
-        self._calls: set[grpc.aio.UnaryStreamCall] = set()
+        self._calls: set[GenerateCall] = set()
+        self._use_shared_stream = shared_stream
+        self._shared: SharedStream | None = None  # opened by the first request, again after it failed
         self._metrics = metrics
         self._inflight_gauge = metrics.engine_inflight.labels(engine=address)
         self._ready_gauge = metrics.engine_ready.labels(engine=address)
@@ -85,15 +97,20 @@ class EngineClient:
     # -------------------------------------------------------------------------------------------
     # Calls
 
-    def start_generate(self, request: engine_pb2.GenerateRequest) -> grpc.aio.UnaryStreamCall:
-        call = self.stub.Generate(request)
+    def start_generate(self, request: engine_pb2.GenerateRequest) -> GenerateCall:
+        if self._use_shared_stream:
+            if self._shared is None or self._shared.closed:
+                self._shared = SharedStream(self.stub, self.address)
+            call: GenerateCall = self._shared.start(request)
+        else:
+            call = self.stub.Generate(request)
         self._calls.add(call)
         self.inflight += 1
         self._inflight_gauge.inc()
         self.breaker.on_request_start()
         return call
 
-    def end_generate(self, call: grpc.aio.UnaryStreamCall) -> None:
+    def end_generate(self, call: GenerateCall) -> None:
         if call in self._calls:
             self._calls.discard(call)
             self.inflight -= 1
@@ -154,6 +171,7 @@ class EngineClient:
             self.info = None  # it may come back as a different process
             for call in list(self._calls):
                 call.cancel()
+            self._close_shared_stream()
 
     def _set_status(self, status: EngineStatus, reason: str) -> None:
         if status is not self.status:
@@ -165,7 +183,17 @@ class EngineClient:
         self._ready_gauge.set(1 if status is EngineStatus.READY else 0)
         self._breaker_gauge.set(self.breaker.state)
 
+    def _close_shared_stream(self) -> None:
+        if self._shared is not None:
+            self._shared.close()
+            self._shared = None
+
     async def close(self, grace_s: float | None = None) -> None:
+        if grace_s:  # let the open requests finish first, as the channel's grace does for per-request calls
+            deadline = asyncio.get_running_loop().time() + grace_s
+            while self._calls and asyncio.get_running_loop().time() < deadline:
+                await asyncio.sleep(0.05)
+        self._close_shared_stream()
         await self.channel.close(grace=grace_s)
         self._metrics.forget_engine(self.address)
 

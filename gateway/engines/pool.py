@@ -16,8 +16,11 @@ RETIRE_GRACE_S = 600.0
 
 
 class EnginePool:
-    def __init__(self, breaker: BreakerSettings, probe: ProbeSettings, metrics: GatewayMetrics) -> None:
+    def __init__(
+        self, breaker: BreakerSettings, probe: ProbeSettings, metrics: GatewayMetrics, shared_stream: bool = True
+    ) -> None:
         self._breaker = breaker
+        self._shared_stream = shared_stream
         self._probe = probe
         self._metrics = metrics
         self.engines: dict[str, EngineClient] = {}
@@ -38,7 +41,9 @@ class EnginePool:
                 del self._retiring[revived]
                 self.engines[address] = revived
             else:
-                self.engines[address] = EngineClient(address, self._breaker, self._probe, self._metrics)
+                self.engines[address] = EngineClient(
+                    address, self._breaker, self._probe, self._metrics, self._shared_stream
+                )
             logger.info("engine %s added", address)
         for address in [a for a in self.engines if a not in wanted]:
             engine = self.engines.pop(address)

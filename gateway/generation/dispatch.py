@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import grpc
 
 from m3stack.engine.proto import engine_pb2
-from m3stack.gateway.engines.client import EngineClient, current_task_is_cancelling
+from m3stack.gateway.engines.client import EngineClient, GenerateCall, current_task_is_cancelling
 from m3stack.gateway.engines.pool import EnginePool
 from m3stack.gateway.errors import engine_failure, invalid_request, no_engine_available
 from m3stack.gateway.metrics import GatewayMetrics
@@ -43,7 +43,7 @@ class EngineStream:
 
     engine: EngineClient
     request_id: str
-    call: grpc.aio.UnaryStreamCall
+    call: GenerateCall
     first: engine_pb2.GenerateResponse
     dispatcher: "Dispatcher"
     closed: bool = False
@@ -166,7 +166,7 @@ class Dispatcher:
         engine.record_failure()
         return engine_failure(f"engine {engine.address} failed: {code.name}: {details}")
 
-    def _abandon(self, engine: EngineClient, call: grpc.aio.UnaryStreamCall, request_id: str, reason: str) -> None:
+    def _abandon(self, engine: EngineClient, call: GenerateCall, request_id: str, reason: str) -> None:
         engine.end_generate(call)
         engine.record_abandoned()
         call.cancel()
@@ -180,7 +180,7 @@ class Dispatcher:
         task.add_done_callback(self._background.discard)
 
 
-async def _first_response(call: grpc.aio.UnaryStreamCall) -> object:
+async def _first_response(call: GenerateCall) -> object:
     """What ``asyncio.gather(call.read(), return_exceptions=True)`` gives for one call: the response, or
     the error reading it (also the call's cancellation by the pool); only our own cancellation raises."""
     try:
