@@ -56,10 +56,11 @@ def add_arguments(opts: OptionGroup) -> None:
     )
     opts.add(
         "--engine-stream",
-        default="shared",
+        default="request",
         choices=["shared", "request"],
-        help="shared: all requests to an engine over one gRPC stream, the engine sending each wakeup's responses "
-        "in one message; request: a Generate stream per request (one message per request per step)",
+        help="request: a Generate stream per request (one gRPC message per request per engine step); shared "
+        "(experimental): all requests to an engine over one GenerateStream, the engine sending each wakeup's "
+        "responses in one message",
     )
     opts.add("--breaker-failures", type=options.positive_int, default=5, help="failures in a row that open a breaker")
     opts.add("--breaker-open", type=options.positive_float, default=10.0, help="seconds a breaker stays open")

@@ -54,7 +54,7 @@ class EngineClient:
         breaker: BreakerSettings,
         probe: ProbeSettings,
         metrics: GatewayMetrics,
-        shared_stream: bool = True,
+        shared_stream: bool = False,
     ) -> None:
         self.address = address
         self.channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)

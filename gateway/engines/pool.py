@@ -17,7 +17,7 @@ RETIRE_GRACE_S = 600.0
 
 class EnginePool:
     def __init__(
-        self, breaker: BreakerSettings, probe: ProbeSettings, metrics: GatewayMetrics, shared_stream: bool = True
+        self, breaker: BreakerSettings, probe: ProbeSettings, metrics: GatewayMetrics, shared_stream: bool = False
     ) -> None:
         self._breaker = breaker
         self._shared_stream = shared_stream
