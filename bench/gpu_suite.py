@@ -67,12 +67,23 @@ def stages(results_dir: Path, selected: set[str] | None) -> list[Stage]:
         Stage("msa_prefill", bench("msa_prefill", "--sweep-steps", "merge", "--contexts", "32768,131072",
                                    "--budget-s", "150"), 180),
         Stage("engine_step", bench("engine_step", "--steps", "50"), 90),
-        # On a fresh machine the first MSA config pays the kernels' compilation (~35 s engine build, ~90 s
-        # warm-up), so a gets three shares; the naive c four (its points at 8 and 32 take minutes).  The long
-        # runs are a stage of their own.
-        Stage("serving", bench("serving", "--budget-s", "540", "--configs", "a,b,d,c", "--weights", "a=3,c=4",
-                               "--concurrency", "1,8,32", "--output-tokens", "64", "--requests-per-point", "2",
-                               "--long-context", "0"), 560),
+        # The full sweep, as four runs that bench.serving.merge joins into serving.json (a device call is capped at
+        # 10 minutes).  a, b and d at the spec's 512 output tokens; on a fresh machine the first MSA config pays the
+        # kernels' compilation (~35 s engine build, ~90 s warm-up), so a gets two shares.
+        Stage("serving_abd", bench("serving", "--name", "serving_abd", "--budget-s", "400", "--configs", "a,b,d",
+                                   "--weights", "a=2", "--concurrency", "1,2,4,8,16,32,64", "--output-tokens", "512",
+                                   "--requests-per-point", "2", "--long-context", "0"), 420),
+        # The naive c runs ~9 tok/s at any concurrency (its 2K-suffix prefill alone takes 2.7 s a request), so
+        # a/c is measured at 32 output tokens: c up to 32 (~8 min), c at 64 (~5 min), and a at the same workload.
+        Stage("serving_c32", bench("serving", "--name", "serving_c32", "--budget-s", "540", "--configs", "c",
+                                   "--concurrency", "1,2,4,8,16,32", "--output-tokens", "32",
+                                   "--requests-per-point", "1", "--long-context", "0"), 560),
+        Stage("serving_c64", bench("serving", "--name", "serving_c64", "--budget-s", "330", "--configs", "c",
+                                   "--concurrency", "64", "--output-tokens", "32", "--requests-per-point", "1",
+                                   "--long-context", "0"), 350),
+        Stage("serving_a32", bench("serving", "--name", "serving_a32", "--budget-s", "190", "--configs", "a",
+                                   "--concurrency", "1,2,4,8,16,32,64", "--output-tokens", "32",
+                                   "--requests-per-point", "1", "--long-context", "0"), 210),
         # The a/b target at 60K: the spec's 512 output tokens, where decode (dense attention reads every request's
         # 60K context each step) dominates, up to concurrency 64.
         Stage("serving_ab", bench("serving", "--name", "serving_ab", "--budget-s", "480", "--configs", "a,b",

@@ -3,6 +3,7 @@ agreement, the SVG plot and the tables printed at the end."""
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import math
 from typing import Any
@@ -104,15 +105,22 @@ _COLORS = {"a": "#1f77b4", "b": "#ff7f0e", "c": "#2ca02c", "d": "#d62728"}
 _PANELS = (("output tok/s", "output_tok_s"), ("TTFT p50 (ms)", "ttft_p50_ms"), ("ITL p50 (ms)", "itl_p50_ms"))
 
 
+def _series(row: dict[str, Any]) -> str:
+    return f"{row['config']} ({row['workload']})" if row.get("workload") else row["config"]
+
+
 def svg_plot(rows: list[dict[str, Any]], title: str) -> str:
     """Warm points per config against concurrency (log2 axis): one panel per metric of ``_PANELS``."""
     width, height, left, top, inner_w, inner_h = 330, 260, 55, 30, 250, 180
     parts = [
-        f'<svg xmlns="http://www.w3.org/2000/svg" width="{width * len(_PANELS)}" height="{height + 30}" '
+        f'<svg xmlns="http://www.w3.org/2000/svg" width="{width * len(_PANELS)}" height="{height + 60}" '
         'font-family="sans-serif" font-size="11">',
         f'<text x="10" y="16" font-size="13">{title}</text>',
     ]
     warm = [r for r in rows if r.get("phase") == "warm"]
+    # Rows of several workloads (bench.serving.merge) plot as one series per config and workload: the first
+    # workload's solid, the others' dashed.
+    workloads = [w for w, _ in collections.Counter(r.get("workload") or "" for r in warm).most_common()]
     levels = sorted({r["concurrency"] for r in warm}) or [1]
     lo, hi = math.log2(levels[0]), math.log2(levels[-1]) if levels[-1] > levels[0] else math.log2(levels[0]) + 1
     for panel, (label, key) in enumerate(_PANELS):
@@ -132,15 +140,20 @@ def svg_plot(rows: list[dict[str, Any]], title: str) -> str:
         for fraction in (0.0, 0.5, 1.0):
             y = y0 + inner_h - fraction * inner_h
             parts.append(f'<text x="{x0 - 4}" y="{y + 4:.1f}" text-anchor="end">{peak * fraction:.3g}</text>')
-        for index, config in enumerate(sorted({r["config"] for r in points})):
-            color = _COLORS.get(config, "#555")
-            series = sorted((r["concurrency"], r[key]) for r in points if r["config"] == config)
-            coords = " ".join(xy(c, v) for c, v in series)
-            parts.append(f'<polyline points="{coords}" fill="none" stroke="{color}" stroke-width="2"/>')
+        legend_x, legend_y = x0 + 8, y0 + inner_h + 30
+        for name in sorted({_series(r) for r in points}):
+            members = [r for r in points if _series(r) == name]
+            color = _COLORS.get(members[0]["config"], "#555")
+            dash = ' stroke-dasharray="5 3"' if workloads.index(members[0].get("workload") or "") else ""
+            coords = " ".join(xy(c, v) for c, v in sorted((r["concurrency"], r[key]) for r in members))
+            parts.append(f'<polyline points="{coords}" fill="none" stroke="{color}" stroke-width="2"{dash}/>')
             parts += [f'<circle cx="{p.split(",")[0]}" cy="{p.split(",")[1]}" r="3" fill="{color}"/>'
                       for p in coords.split()]  # fmt: skip
-            parts.append(f'<text x="{x0 + 8 + 40 * index}" y="{y0 + inner_h + 30}" fill="{color}">{config}</text>')
-        parts.append(f'<text x="{x0 + inner_w / 2}" y="{y0 + inner_h + 44}" text-anchor="middle">concurrency</text>')
+            if legend_x + 6 * len(name) > x0 + inner_w:
+                legend_x, legend_y = x0 + 8, legend_y + 13
+            parts.append(f'<text x="{legend_x}" y="{legend_y}" fill="{color}">{name}</text>')
+            legend_x += 12 + 6 * len(name)
+        parts.append(f'<text x="{x0 + inner_w / 2}" y="{legend_y + 14}" text-anchor="middle">concurrency</text>')
     parts.append("</svg>")
     return "\n".join(parts) + "\n"
 
