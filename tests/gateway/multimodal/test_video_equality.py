@@ -2,10 +2,14 @@
 
 import dataclasses
 import functools
+import io
 import os
 
+import av
 import numpy as np
 import pytest
+from av.video.frame import PictureType
+from av.video.reformatter import ColorRange, Colorspace, VideoReformatter
 
 from m3stack.gateway.multimodal import video as video_codec
 from m3stack.gateway.multimodal.resize import ResizeBackend
@@ -17,7 +21,7 @@ from .conftest import (
     reference_video_processor,
     run_reference_video,
 )
-from .media_factory import encode_video
+from .media_factory import encode_video, natural_rgb
 
 # name: (width, height, frames, fps, codec, container, extra encode options)
 CASES = {
@@ -103,7 +107,7 @@ def test_probe_reads_the_first_frame_by_draining_after_its_packet(case):
         assert drained is not None and walked is not None
         assert (drained.pts, drained.rotation) == (walked.pts, walked.rotation)
         rotation = video_codec.probe_video(data, 10**7, 10**5).rotation
-        upright = video_codec._upright(drained, rotation)
+        upright = video_codec._upright(drained, rotation, VideoReformatter())
         np.testing.assert_array_equal(upright, _reference_frames(case).frames[0])
 
 
@@ -160,3 +164,42 @@ def test_containers_and_codecs_outside_the_allowlists_are_refused():
         video_codec.probe_video(_encoded("vp9-webm"), 10**7, 10**5, codecs=("h264",))
     with pytest.raises(MediaError, match="not a video in a supported container"):
         video_codec.probe_video(_encoded("h264-30fps"), 10**7, 10**5, containers=("matroska",))
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_sparse_decode_of_a_b_pyramid_equals_a_full_decode(threads):
+    """x264's B-pyramid (B-frames that other frames reference, B-frames that none do): the frames the
+    sparse decode hands out, targets of every picture type, equal a plain decode of every frame, while the
+    decoder reconstructs fewer frames than it is fed (the non-reference ones that are not targets are dropped)."""
+    data = encode_video(320, 180, 120, 30, seed=3)
+    with av.open(io.BytesIO(data)) as container:
+        decoded = list(container.decode(video=0))
+    with av.open(io.BytesIO(data)) as container:
+        container.streams.video[0].codec_context.skip_frame = "NONREF"
+        references = {frame.pts for frame in container.decode(video=0)}
+    full = np.stack([frame.to_ndarray(format="rgb24") for frame in decoded])
+    probe = video_codec.probe_video(data, max_frame_pixels=10**7, max_frames=10**5)
+    indices = list(range(3, 120, 7))
+    kinds = {(decoded[i].pict_type, decoded[i].pts in references) for i in indices}
+    assert kinds >= {(PictureType.P, True), (PictureType.B, True), (PictureType.B, False)}, kinds
+    stats = video_codec.DecodeStats()
+    frames = list(video_codec.iter_frames(data, probe, indices, threads=threads, stats=stats))
+    np.testing.assert_array_equal(np.stack(frames), full[indices])
+    # About a third of this clip's frames are non-reference B-frames, a few of them targets.
+    assert stats.packets - stats.frames >= 20, stats
+
+
+@pytest.mark.parametrize(
+    "pix_fmt", ["yuv420p", "yuvj420p", "yuv422p", "yuv444p", "nv12", "yuv420p10le", "gray", "gbrp"]
+)
+def test_the_clip_converter_gives_the_reference_conversion(pix_fmt):
+    """One swscale context for a clip, on the calling thread, gives ``to_ndarray(format="rgb24")``'s pixels
+    (which let swscale cut the frame into slices for several threads), also after converting other frames."""
+    reformatter = VideoReformatter()
+    for seed, (width, height) in enumerate([(1280, 720), (642, 362)]):
+        frame = av.VideoFrame.from_ndarray(natural_rgb(height, width, seed), format="rgb24").reformat(format=pix_fmt)
+        for colorspace, color_range in [(None, None), (Colorspace.ITU709, ColorRange.JPEG)]:
+            if colorspace:
+                frame.colorspace, frame.color_range = colorspace, color_range
+            ours = video_codec._upright(frame, 0, reformatter)
+            np.testing.assert_array_equal(ours, frame.to_ndarray(format="rgb24"))
