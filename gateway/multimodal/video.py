@@ -175,8 +175,7 @@ def _sparse_frames(
     context = stream.codec_context
     for segment in segments:
         wanted, unfed = set(segment.target_pts), set(segment.target_pts)
-        container.seek(segment.seek_pts, stream=stream, backward=True, any_frame=False)
-        for packet in container.demux(stream):
+        for packet in _packets_from(container, stream, segment.seek_pts):
             # Non-reference frames that are not sampled are needed by nobody: the decoder drops them.
             context.skip_frame = "DEFAULT" if packet.pts in targets or packet.pts is None else "NONREF"
             decoded = _decode(packet)
@@ -194,6 +193,24 @@ def _sparse_frames(
             if not wanted:
                 break
     context.skip_frame = "DEFAULT"
+
+
+def _packets_from(
+    container: av.container.InputContainer, stream: av.VideoStream, keyframe_pts: int
+) -> Iterator[av.Packet]:
+    """The stream's packets from the keyframe at ``keyframe_pts`` on, the decoder flushed.  A seek lands on
+    it in MP4 or Matroska; MPEG-TS seeks by decode timestamp and lands past it, so then the packets before
+    it are read from the start and passed over (demuxing costs little next to decoding)."""
+    container.seek(keyframe_pts, stream=stream, backward=True, any_frame=False)
+    packets = container.demux(stream)
+    first = next(packets, None)
+    if first is not None and first.pts != keyframe_pts:
+        container.seek(0, stream=stream, backward=True, any_frame=False)
+        packets = container.demux(stream)
+        first = next((packet for packet in packets if packet.pts == keyframe_pts), None)
+    if first is not None:
+        yield first
+        yield from packets
 
 
 def _decode(packet: av.Packet) -> list[av.VideoFrame]:

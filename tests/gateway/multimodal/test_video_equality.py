@@ -29,6 +29,7 @@ CASES = {
     "h264-24fps-odd-frames": (150, 100, 77, 24, "libx264", "mp4", {}),
     "h264-60fps-short-gop": (128, 72, 150, 60, "libx264", "mp4", {"gop": 8}),
     "h264-vfr": (160, 96, 90, 30, "libx264", "mp4", {"variable_rate": True}),
+    "h264-mpegts": (160, 96, 75, 25, "libx264", "mpegts", {}),
     "h264-rotated-90": (160, 96, 64, 30, "libx264", "mp4", {"rotation": 90}),
     "h264-rotated-270": (96, 160, 64, 30, "libx264", "mp4", {"rotation": 270}),
     "hevc": (160, 96, 60, 30, "libx265", "mp4", {}),
