@@ -1,7 +1,7 @@
 """Video probing and sparse decoding with PyAV.
 
 ``probe_video`` demuxes the stream once without decoding (every packet's presentation timestamp and
-keyframe flag) and decodes the first frame only to validate the stream and read its rotation.
+keyframe flag) and decodes the first frame only to validate the stream and read its size and rotation.
 Frame i is the i-th frame in presentation order, which is what the reference's decode loop counts,
 so sampling by index stays exact under a variable frame rate.
 
@@ -30,6 +30,7 @@ from .spec import VideoProbe
 
 logger = logging.getLogger(__name__)
 MAX_STREAMS = 64  # stream_options entries; streams beyond these probe as usual
+HEADER_TIMED_FORMATS = frozenset({"mov,mp4,m4a,3gp,3g2,mj2"})  # av.ContainerFormat.name of such demuxers
 
 
 @dataclass
@@ -58,27 +59,25 @@ def probe_video(
 ) -> VideoProbe:
     """Metadata of the first video stream; refuses other containers and codecs, oversized frames and too
     many frames before decoding anything but the first frame."""
-    with _open(data, containers) as container:
+    with _open_for_probe(data, containers) as container:
         stream = _video_stream(container)
         codec = stream.codec_context.codec.canonical_name
         if codec not in codecs:
             raise MediaError(f"video codec {codec!r} is not supported ({', '.join(codecs)})", "unsupported_media")
-        width, height = stream.codec_context.width, stream.codec_context.height
-        if width <= 0 or height <= 0:
-            raise MediaError("the video stream has no frame size")
-        if width * height > max_frame_pixels:
-            raise MediaError(
-                f"video frames of {width}x{height} exceed the limit of {max_frame_pixels} pixels",
-                code="media_too_large",
-            )
+        _check_frame_size(stream.codec_context.width, stream.codec_context.height, max_frame_pixels)
         frame_pts, keyframe_pts = _index(container, stream, max_frames)
-        rotation = _first_frame_rotation(container, stream)
+        first = _first_frame(container, stream, drain=True) or _first_frame(container, stream, drain=False)
+        if first is None:
+            raise MediaError("the video has no decodable frames")
+        # The size the decoder gives (a header's size can differ from the bitstream's when nothing decoded
+        # at open; the frames the decode hands out are checked against this).
+        _check_frame_size(first.width, first.height, max_frame_pixels)
         fps = _average_fps(stream, len(frame_pts))
         return VideoProbe(
             codec=codec,
-            width=width,
-            height=height,
-            rotation=rotation,
+            width=first.width,
+            height=first.height,
+            rotation=round(first.rotation / 90) % 4 * 90,
             fps=fps,
             time_base=stream.time_base or Fraction(1, 1),
             frame_pts=tuple(frame_pts),
@@ -234,6 +233,30 @@ def _upright(frame: av.VideoFrame, rotation: int, reformatter: VideoReformatter)
     return np.rot90(rgb, rotation // 90) if rotation else rgb
 
 
+def _check_frame_size(width: int, height: int, max_frame_pixels: int) -> None:
+    if width <= 0 or height <= 0:
+        raise MediaError("the video stream has no frame size")
+    if width * height > max_frame_pixels:
+        raise MediaError(
+            f"video frames of {width}x{height} exceed the limit of {max_frame_pixels} pixels", code="media_too_large"
+        )
+
+
+def _open_for_probe(data: bytes, containers: Sequence[str]) -> av.container.InputContainer:
+    """Opened without the stream-info decode where the demuxer reads every packet's timestamp and the
+    average frame rate from the file's header (the MP4/MOV sample tables): the probe decodes the first
+    frame itself anyway.  Elsewhere opened as the reference does, since a demuxer may estimate the frame
+    rate from what ``avformat_find_stream_info`` decodes (MPEG-TS) or from how far it reads."""
+    container = _open(data, containers, skip_probe_decode=True)
+    streams = container.streams.video
+    context = streams[0].codec_context if streams else None
+    timed = container.format.name in HEADER_TIMED_FORMATS and streams and streams[0].average_rate
+    if timed and context is not None and context.width > 0 and context.height > 0:
+        return container
+    container.close()
+    return _open(data, containers)
+
+
 def _open(data: bytes, containers: Sequence[str], skip_probe_decode: bool = False) -> av.container.InputContainer:
     # Only the listed demuxers may even probe the data: playlist and concat demuxers open other URLs
     # and files, and every extra demuxer is attack surface.
@@ -241,8 +264,9 @@ def _open(data: bytes, containers: Sequence[str], skip_probe_decode: bool = Fals
     # Opening runs avformat_find_stream_info, which decodes the first frame(s) to learn the pixel format
     # (a 720p H.264 keyframe costs ~20 ms).  Decoding after a probe needs none of that (the decoder finds
     # the format in the bitstream, timing comes from the probe), so its open tells those decoders to
-    # discard every frame.  The probe itself opens normally: without decoding, some demuxers (MPEG-TS)
-    # read further to estimate the frame rate, which could then differ from the reference's.
+    # discard every frame.  The probe does so only for MP4/MOV (``_open_for_probe``): without decoding,
+    # some demuxers (MPEG-TS) read further to estimate the frame rate, which could then differ from the
+    # reference's.
     stream_options = [{"skip_frame": "all"}] * MAX_STREAMS if skip_probe_decode else None
     try:
         return av.open(io.BytesIO(data), mode="r", options=options, stream_options=stream_options)
@@ -285,13 +309,6 @@ def _index(
     keyframe_pts.sort()
     container.seek(0, stream=stream, backward=True, any_frame=False)
     return frame_pts, keyframe_pts
-
-
-def _first_frame_rotation(container: av.container.InputContainer, stream: av.VideoStream) -> int:
-    frame = _first_frame(container, stream, drain=True) or _first_frame(container, stream, drain=False)
-    if frame is None:
-        raise MediaError("the video has no decodable frames")
-    return round(frame.rotation / 90) % 4 * 90
 
 
 def _first_frame(container: av.container.InputContainer, stream: av.VideoStream, drain: bool) -> av.VideoFrame | None:

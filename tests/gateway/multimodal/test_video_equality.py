@@ -158,6 +158,16 @@ def test_decoding_open_skips_the_stream_info_decode():
         assert container.streams.video[0].codec_context.format.name == "yuv420p"
 
 
+@pytest.mark.parametrize(
+    ("case", "decoded_at_open"), [("h264-30fps", False), ("vp9-webm", True), ("h264-mpegts", True)]
+)
+def test_the_probe_skips_the_stream_info_decode_of_mp4_only(case, decoded_at_open):
+    """MP4/MOV headers hold every timestamp and the frame rate: the probe's open decodes nothing there (its
+    own first-frame decode validates the stream).  Other demuxers open as the reference's loader does."""
+    with video_codec._open_for_probe(_encoded(case), video_codec.DEFAULT_CONTAINERS) as container:
+        assert (container.streams.video[0].codec_context.format is not None) == decoded_at_open
+
+
 def test_containers_and_codecs_outside_the_allowlists_are_refused():
     from m3stack.gateway.multimodal import MediaError
 
