@@ -9,7 +9,7 @@ from dataclasses import asdict, dataclass
 import numpy as np
 
 from .errors import MediaError
-from .patchify import normalization_table, normalize_patches, patchify_into
+from .patchify import float32_to_bfloat16_bits, normalization_table, normalize_patches, patchify_into
 from .resize import ResizeBackend, resize_frames, resize_into, smart_resize
 from .spec import ImagePlan, PixelPreprocessor, Plan, VideoPlan, VideoProbe
 
@@ -52,6 +52,7 @@ class PatchGridPreprocessor(PixelPreprocessor):
         self.sampler = sampler
         self.resize_backend = resize_backend
         self._table = normalization_table(constants.image_mean, constants.image_std, constants.rescale_factor)
+        self._bfloat16_table = float32_to_bfloat16_bits(self._table)
 
     def fingerprint(self) -> str:
         settings = {**asdict(self.constants), "sampler": self.sampler.__qualname__}
@@ -105,6 +106,9 @@ class PatchGridPreprocessor(PixelPreprocessor):
 
     def normalize(self, patches: np.ndarray) -> np.ndarray:
         return normalize_patches(patches, self._table)
+
+    def normalize_bfloat16(self, patches: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+        return normalize_patches(patches, self._bfloat16_table, out)
 
     def _patchify(self, frames: np.ndarray, out: np.ndarray) -> None:
         c = self.constants

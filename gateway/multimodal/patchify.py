@@ -8,7 +8,8 @@ its own frame repeated ``tp`` times).  This is exactly ``pixel_values`` / ``pixe
 ``MiniMaxM3VLImageProcessor`` / ``MiniMaxM3VLVideoProcessor`` (and of Qwen2-VL) before rescaling.
 
 Normalized values are ``(pixel - mean[c] * 255) / (std[c] * 255)`` in float32, the reference's fused
-rescale-and-normalize; a 256-entry table per channel gives the same float32 results.
+rescale-and-normalize; a 256-entry table per channel gives the same float32 results, and a table of their
+bfloat16 roundings gives the bfloat16 output in one lookup (no float32 intermediate).
 """
 
 from collections.abc import Sequence
@@ -62,14 +63,19 @@ def normalization_table(mean: Sequence[float], std: Sequence[float], rescale_fac
     return ((levels[None, :] - scaled_mean[:, None]) / scaled_std[:, None]).astype(np.float32)
 
 
-def normalize_patches(patches: np.ndarray, table: np.ndarray) -> np.ndarray:
-    """uint8 patches ``[N, C * k]`` -> float32 normalized patches of the same shape."""
+def normalize_patches(patches: np.ndarray, table: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+    """uint8 patches ``[N, C * k]`` -> each level looked up in its channel's ``table`` row (``[C, 256]``, float32
+    values or their bfloat16 bit patterns), written to ``out`` (same shape, the table's dtype) or a new array."""
     channels = table.shape[0]
     per_channel = patches.reshape(patches.shape[0], channels, -1)
-    out = np.empty(per_channel.shape, dtype=np.float32)
+    if out is None:
+        out = np.empty(patches.shape, dtype=table.dtype)
+    if out.shape != patches.shape or out.dtype != table.dtype or not out.flags.c_contiguous:
+        raise ValueError(f"output is {out.shape} {out.dtype}, expected a C-contiguous {patches.shape} {table.dtype}")
+    target = out.reshape(per_channel.shape)
     for channel in range(channels):
-        np.take(table[channel], per_channel[:, channel], out=out[:, channel])
-    return out.reshape(patches.shape)
+        np.take(table[channel], per_channel[:, channel], out=target[:, channel])
+    return out
 
 
 def float32_to_bfloat16_bits(values: np.ndarray) -> np.ndarray:

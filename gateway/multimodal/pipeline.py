@@ -28,7 +28,6 @@ from .cache import CachedItem, ProcessedCache, content_key
 from .errors import MediaError
 from .fetch import MediaFetcher
 from .limits import MediaLimits, check_vision_tokens
-from .patchify import float32_to_bfloat16_bits
 from .pool import WorkerPool
 from .spec import ImagePlan, ModelProfile, PixelPreprocessor, PlaceholderSpan, Plan, Tokenizer, VideoPlan, VideoProbe
 from .transport import (
@@ -283,4 +282,4 @@ def process_job(
         )
         preprocessor.run_video(frames, plan, patches)
     if dtype is WireDType.BFLOAT16:
-        target[...] = float32_to_bfloat16_bits(preprocessor.normalize(patches))
+        preprocessor.normalize_bfloat16(patches, out=target)

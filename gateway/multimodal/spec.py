@@ -128,6 +128,10 @@ class PixelPreprocessor(ABC):
     def normalize(self, patches: np.ndarray) -> np.ndarray:
         """uint8 patches -> the float32 values the vision tower takes (what the engine does for uint8 input)."""
 
+    @abstractmethod
+    def normalize_bfloat16(self, patches: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+        """``normalize`` rounded to bfloat16 (nearest even) as uint16 bit patterns, written to ``out`` if given."""
+
 
 @dataclass(frozen=True)
 class PlaceholderSpan:

@@ -5,7 +5,9 @@ import itertools
 
 import numpy as np
 import pytest
+import torch
 
+from m3stack.gateway.multimodal import m3
 from m3stack.gateway.multimodal.patchify import patchify_into
 
 
@@ -44,3 +46,17 @@ def test_patchify_refuses_mismatched_shapes():
         patchify_into(frames[:, :27], np.zeros((4, 1176), dtype=np.uint8), 14, 2, 2)
     with pytest.raises(ValueError, match="expected"):
         patchify_into(frames, np.zeros((4, 1175), dtype=np.uint8), 14, 2, 2)
+
+
+def test_bfloat16_lookup_equals_torch_rounding_of_the_float32_normalization():
+    """Every level of every channel: the bf16 table gives torch's bfloat16 cast of the float32 values."""
+    preprocessor = m3.profile().preprocessor
+    levels = np.tile(np.arange(256, dtype=np.uint8), 3 * 2 * 196 // 256 + 1)[: 3 * 2 * 196]
+    patches = np.stack([levels, np.roll(levels, 7), levels[::-1]])  # each level in each channel's columns
+    expected = torch.from_numpy(preprocessor.normalize(patches)).to(torch.bfloat16).view(torch.int16).numpy()
+    np.testing.assert_array_equal(preprocessor.normalize_bfloat16(patches), expected.view(np.uint16))
+    out = np.zeros(patches.shape, dtype=np.uint16)
+    assert preprocessor.normalize_bfloat16(patches, out=out) is out
+    np.testing.assert_array_equal(out, expected.view(np.uint16))
+    with pytest.raises(ValueError, match="expected"):
+        preprocessor.normalize_bfloat16(patches, out=np.zeros(patches.shape, dtype=np.float32))
