@@ -65,10 +65,17 @@ def finished_requests(stack, index: int) -> float:
     )
 
 
-def start_streams_on_both_engines(stack, client, model: str, count: int, max_tokens: int) -> list[StreamRunner]:
+def start_streams(client, model: str, count: int, max_tokens: int) -> list[StreamRunner]:
     runners = [StreamRunner(client, model, PROMPT, max_tokens) for _ in range(count)]
     for runner in runners:
         runner.start()
+    return runners
+
+
+def start_streams_on_both_engines(stack, client, model: str, count: int, max_tokens: int) -> list[StreamRunner]:
+    """Streams the faults can hit: ``max_tokens`` must keep them open well past the first metrics scrapes (the
+    tiny model decodes 64 tokens for 6 streams faster than a loaded machine scrapes the gateway twice)."""
+    runners = start_streams(client, model, count, max_tokens)
     poll_until(lambda: inflight(stack, 0) >= 1 and inflight(stack, VICTIM) >= 1, 120, "streams on both engines")
     poll_until(lambda: all(r.chunks >= 2 or not r.is_alive() for r in runners), 120, "tokens on every stream")
     return runners
@@ -122,17 +129,22 @@ def test_restarted_engine_is_used_again(fault_stack, client):
         lambda: gateway_sample(fault_stack, "m3stack_gateway_engine_ready", VICTIM) == 0, 60, "the gateway to drop it"
     )
     victim_running(fault_stack)
-    runners = start_streams_on_both_engines(fault_stack, client, fault_stack.served_model_name, 6, max_tokens=64)
+    survivor_before = finished_requests(fault_stack, 0)
+    # Whether they overlap in time does not matter here, only that both engines serve some of them.
+    runners = start_streams(client, fault_stack.served_model_name, 6, max_tokens=64)
     join_all(runners)
     assert all(r.error is None and r.finish_reason == "length" for r in runners), [str(r.error) for r in runners]
     assert finished_requests(fault_stack, VICTIM) >= 1  # a fresh process: it counts from zero
+    assert finished_requests(fault_stack, 0) - survivor_before >= 1
 
 
 def test_sigterm_lets_an_engine_finish_its_requests_within_the_drain_deadline(fault_stack, client):
     victim_running(fault_stack)
     model, victim = fault_stack.served_model_name, fault_stack.engines[VICTIM]
-    runners = start_streams_on_both_engines(fault_stack, client, model, count=6, max_tokens=48)
-    assert inflight(fault_stack, VICTIM) >= 1
+    runners = start_streams(client, model, count=6, max_tokens=320)
+    # SIGTERM as soon as the victim has requests: waiting for tokens on every stream first would let the tiny
+    # model finish the victim's before the signal.
+    poll_until(lambda: inflight(fault_stack, VICTIM) >= 1, 120, "streams on the victim")
     terminated_at = time.monotonic()
     os.kill(victim.child.pid, signal.SIGTERM)
     # Sent while the victim drains: it refuses, and the gateway retries on the other engine before any token.
