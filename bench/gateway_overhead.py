@@ -27,7 +27,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -85,6 +85,47 @@ class StubEngine(engine_pb2_grpc.EngineServicer):
         self._vocab_size = vocab_size
 
     async def Generate(self, request, context):  # noqa: N802 - gRPC method name
+        async for response in self._responses(request):
+            yield response
+
+    async def GenerateStream(self, request_iterator, context):  # noqa: N802
+        """The gateway's shared stream: a step's responses of every request on the call in one message, as the
+        engine batches them (engine.server.multiplex)."""
+        ready: list[engine_pb2.GenerateResponse] = []
+        wakeup = asyncio.Event()
+        running: dict[str, asyncio.Task[None]] = {}
+
+        async def run(request: engine_pb2.GenerateRequest) -> None:
+            try:
+                async for response in self._responses(request):
+                    ready.append(response)
+                    wakeup.set()
+            finally:
+                running.pop(request.request_id, None)
+
+        async def read_inputs() -> None:
+            async for message in request_iterator:
+                if message.WhichOneof("request") == "start":
+                    running[message.start.request_id] = asyncio.create_task(run(message.start))
+                elif (task := running.get(message.abort.request_id)) is not None:
+                    task.cancel()
+
+        reader = asyncio.create_task(read_inputs())
+        reader.add_done_callback(lambda _: wakeup.set())
+        try:
+            while not (reader.done() and not running and not ready):
+                await wakeup.wait()
+                wakeup.clear()
+                if ready:
+                    batch, ready[:] = list(ready), []
+                    yield engine_pb2.GenerateStreamResponse(responses=batch)
+        finally:
+            reader.cancel()
+            for task in list(running.values()):
+                task.cancel()
+
+    async def _responses(self, request: engine_pb2.GenerateRequest) -> AsyncIterator[engine_pb2.GenerateResponse]:
+        """``max_new_tokens`` canned tokens, one per step, then the completion."""
         count = request.sampling.max_new_tokens if request.sampling.HasField("max_new_tokens") else 16
         prompt = len(request.input_ids)
         self._clock.running += 1

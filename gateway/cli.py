@@ -56,11 +56,10 @@ def add_arguments(opts: OptionGroup) -> None:
     )
     opts.add(
         "--engine-stream",
-        default="request",
+        default="shared",
         choices=["shared", "request"],
-        help="request: a Generate stream per request (one gRPC message per request per engine step); shared "
-        "(experimental): all requests to an engine over one GenerateStream, the engine sending each wakeup's "
-        "responses in one message",
+        help="shared: all requests to an engine over one GenerateStream, the engine sending each wakeup's responses "
+        "in one message; request: a Generate stream per request (one gRPC message per request per engine step)",
     )
     opts.add("--breaker-failures", type=options.positive_int, default=5, help="failures in a row that open a breaker")
     opts.add("--breaker-open", type=options.positive_float, default=10.0, help="seconds a breaker stays open")

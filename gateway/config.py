@@ -21,7 +21,7 @@ class GatewayConfig:
     max_request_bytes: int = 64 * 2**20
     tokenizer_threads: int = 2
     max_attempts: int = 3  # engines tried per request before its first token
-    engine_stream: str = "request"  # request: a Generate call per request; shared: one GenerateStream per engine
+    engine_stream: str = "shared"  # shared: one GenerateStream per engine; request: a Generate call per request
     breaker: BreakerSettings = field(default_factory=BreakerSettings)
     probe: ProbeSettings = field(default_factory=ProbeSettings)
     media_workers: int | None = None  # image/video worker processes; None: one per core, 0: no media input

@@ -1,5 +1,5 @@
-"""The gateway's two ways of calling an engine give the same answers: a Generate call per request (the default),
-or every request over the engine's shared GenerateStream (``--engine-stream shared``)."""
+"""The gateway's two ways of calling an engine give the same answers: every request over the engine's shared
+GenerateStream (the default), or a Generate call per request (``--engine-stream request``)."""
 
 import pytest
 
@@ -9,14 +9,14 @@ MESSAGES = [{"role": "user", "content": "Name three rivers and one mountain."}]
 
 
 @pytest.fixture(scope="module")
-def shared_stream_client(stack, engine):
-    return stack.gateway([engine], "--media-workers", "0", "--engine-stream", "shared").client()
+def per_request_client(stack, engine):
+    return stack.gateway([engine], "--media-workers", "0", "--engine-stream", "request").client()
 
 
-def test_shared_and_per_request_engine_streams_give_the_same_tokens(client, shared_stream_client, model_name):
+def test_shared_and_per_request_engine_streams_give_the_same_tokens(client, per_request_client, model_name):
     body = dict(model=model_name, messages=MESSAGES, temperature=0, max_tokens=20, n=2, extra_body={"ignore_eos": True})
     answers = []
-    for api in (client, shared_stream_client):
+    for api in (client, per_request_client):
         whole = api.chat.completions.create(**body)
         streamed = ["", ""]
         for chunk in api.chat.completions.create(**body, stream=True):
