@@ -96,10 +96,10 @@ def stages(results_dir: Path, selected: set[str] | None) -> list[Stage]:
               500),
         # The same with the clients' requests over one shared GenerateStream, as the gateway sends them (one gRPC
         # message per engine wakeup instead of one per request per step).
-        Stage("serving_ab_stream", bench("serving", "--name", "serving_ab_stream", "--budget-s", "480", "--configs",
-                                         "a,b", "--concurrency", "1,16,64", "--output-tokens", "512",
-                                         "--requests-per-point", "2", "--long-context", "0", "--engine-stream",
-                                         "shared"), 500),
+        Stage("serving_ab_stream", bench("serving", "--name", "serving_ab_stream", "--budget-s", "390", "--configs",
+                                         "a,b", "--weights", "a=2", "--concurrency", "1,2,4,8,16,32,64",
+                                         "--output-tokens", "512", "--requests-per-point", "2", "--long-context", "0",
+                                         "--engine-stream", "shared"), 410),
         Stage("serving_long", bench("serving", "--name", "serving_long", "--budget-s", "400", "--configs", "a,d",
                                     "--concurrency", "1",
                                     "--output-tokens", "64", "--requests-per-point", "2", "--long-context", "262144",

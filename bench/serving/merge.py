@@ -6,8 +6,9 @@ and merged here:
 
     python -m bench.serving.merge --name serving bench/results/serving_abd.json bench/results/serving_ac32.json ...
 
-Every row keeps its ``run`` (the file's stem) and gains ``workload`` (a label such as ``"512 out"``).  Ratios are
-taken between rows of the same workload only (same prompt shape, output tokens and requests per point), so c's
+Every row keeps its ``run`` (the file's stem) and gains ``workload`` (a label such as ``"512 out"`` or ``"512 out,
+shared stream"``).  Ratios are taken between rows of the same workload only (same prompt shape, output tokens,
+requests per point and ``--engine-stream``), so c's
 rate at 32 output tokens is only ever divided into a's at 32.  A point a run recorded as skipped for its budget
 is left out when another run of the same workload measured it.  The runs' own files stay as they are: this one
 adds ``"runs"`` (each run's command, date and engines) and recomputes ``ratios``, ``targets`` and the plot.
@@ -31,22 +32,27 @@ logger = logging.getLogger("bench.serving.merge")
 PAIRS = (("a_over_c", "a", "c"), ("a_over_b", "a", "b"), ("d_over_a", "d", "a"))
 
 
+def _engine_stream(payload: dict[str, Any]) -> str:
+    return payload.get("args", {}).get("engine_stream", "request")  # runs before the flag used per-request calls
+
+
 def workload_label(payload: dict[str, Any]) -> str:
-    w = payload["workload"]
-    return f"{w['output_tokens']} out"
+    label = f"{payload['workload']['output_tokens']} out"
+    return f"{label}, shared stream" if _engine_stream(payload) == "shared" else label
 
 
 def workload_key(payload: dict[str, Any]) -> tuple:
+    """What must be equal for two runs' rows to be compared: the prompts, the output, how clients call."""
     w = payload["workload"]
     return (payload["model"], w["prefix_tokens"], w["suffix_tokens"], w["output_tokens"], w["requests_per_point"],
-            w["seed"])  # fmt: skip
+            w["seed"], _engine_stream(payload))  # fmt: skip
 
 
 def merge(runs: dict[str, dict[str, Any]]) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     """The rows of every run (by name) and the merged extra fields: runs, ratios and targets per workload."""
     labels = {workload_key(payload): workload_label(payload) for payload in runs.values()}
     if len(set(labels.values())) < len(labels):
-        raise ValueError(f"different workloads (prompt shape, requests per point) share an output length: {labels}")
+        raise ValueError(f"different workloads (prompt shape, requests per point) share a label: {labels}")
     devices = {payload["device"] for payload in runs.values()}
     if len(devices) > 1:
         raise ValueError(f"runs from different devices cannot be merged: {sorted(devices)}")

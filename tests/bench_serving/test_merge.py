@@ -11,13 +11,14 @@ DEVICE = "1x NVIDIA H200 (143155 MiB), torch 2.11.0+cu130, CUDA 13.0"
 
 
 def _run(output_tokens: int, rows: list[tuple[str, int, float | None]], *, device: str = DEVICE,
-         suffix: int = 2048) -> dict:  # fmt: skip
+         suffix: int = 2048, engine_stream: str = "request") -> dict:  # fmt: skip
     """A run's payload; a row with rate None is a point the run skipped for its budget."""
     return {
         "device": device,
         "date": "2026-12-01T18:00:00Z",
         "command": f"python3 -m bench.serving --output-tokens {output_tokens}",
         "model": "random-m3-dims-8-layers",
+        "args": {"engine_stream": engine_stream},
         "workload": {
             "prefix_tokens": 60000,
             "suffix_tokens": suffix,
@@ -72,8 +73,18 @@ def test_runs_that_cannot_be_compared_are_refused():
     with pytest.raises(ValueError, match="different devices"):
         merge({"x": _run(32, [("a", 1, 1.0)]), "y": _run(32, [("c", 1, 1.0)], device="1x NVIDIA B200")})
     # Same output length, different prompt shape: one label would pair rows of different workloads.
-    with pytest.raises(ValueError, match="share an output length"):
+    with pytest.raises(ValueError, match="share a label"):
         merge({"x": _run(32, [("a", 1, 1.0)]), "y": _run(32, [("c", 1, 1.0)], suffix=1024)})
+
+
+def test_runs_whose_clients_call_differently_are_separate_workloads():
+    runs = {
+        "per_request": _run(512, [("a", 64, 5760.0), ("b", 64, 2580.0)]),
+        "shared": _run(512, [("a", 64, 5930.0), ("b", 64, 2574.0)], engine_stream="shared"),
+    }
+    _, extra = merge(runs)
+    assert set(extra["ratios"]["a_over_b"]) == {"512 out", "512 out, shared stream"}
+    assert extra["ratios"]["a_over_b"]["512 out"] == {"64": 5760.0 / 2580.0}
 
 
 def test_the_cli_writes_the_merged_file_and_plot_with_the_runs_device(tmp_path):
