@@ -104,6 +104,11 @@ def stages(results_dir: Path, selected: set[str] | None) -> list[Stage]:
                                     "--concurrency", "1",
                                     "--output-tokens", "64", "--requests-per-point", "2", "--long-context", "262144",
                                     "--long-output-tokens", "63"), 420),
+        # The spec's >= 512K request, offload only: 541 device blocks against 4,096 of context.
+        Stage("serving_long512", bench("serving", "--name", "serving_long512", "--budget-s", "225", "--configs", "d",
+                                       "--long-configs", "d", "--concurrency", "1", "--output-tokens", "8",
+                                       "--requests-per-point", "1", "--long-context", "524288",
+                                       "--long-output-tokens", "63"), 245),
         Stage("offload_copy", bench("offload_copy"), 90),
         Stage("msa_decode", bench("msa_decode"), 420),
         # The targets' cases, the sweep where the 7x target is missed (1M x 1) and at 128K x 8 (split-major scans
