@@ -46,14 +46,31 @@ class _Watch:
             self.count += 1
             self.seconds += now - started
         fn = kwargs.get("fn")
-        constants = kwargs.get("compile", {}).get("constants", {})
-        logger.info("compiled %s in %.2f s (%s)", getattr(fn, "name", fn), now - started, _describe(constants))
+        compile_info = kwargs.get("compile", {})
+        logger.info("compiled %s in %.2f s (%s; %s)", getattr(fn, "name", fn), now - started,
+                    _describe(compile_info.get("constants", {})), _describe_attributes(compile_info))  # fmt: skip
         return self.previous_after(**kwargs) if self.previous_after is not None else None
 
 
 def _describe(constants: dict) -> str:
     """Constexprs by name where Triton gives them as (path,) -> value pairs."""
     return ", ".join(f"{key[-1] if isinstance(key, tuple) else key}={value}" for key, value in constants.items())
+
+
+def _describe_attributes(compile_info: dict) -> str:
+    """The rest of the specialization: the arguments Triton compiled as divisible by 16 (integers) or 16-byte
+    aligned (pointers).  Two compiles of one kernel with equal constexprs differ here, which names the argument
+    that changed class (a stride, a count, a tensor's offset)."""
+    names = list(compile_info.get("signature", {}))
+    configs = compile_info.get("configs") or [{}]
+    marked = []
+    for path, attributes in sorted(configs[0].items()):
+        if not attributes:  # every non-constexpr argument has an entry; most have no attribute
+            continue
+        index = path[0] if isinstance(path, tuple) and path else path
+        name = names[index] if isinstance(index, int) and index < len(names) else str(path)
+        marked.append(name if "divisibility" in str(attributes) else f"{name}:{attributes}")
+    return "16-aligned: " + (", ".join(marked) if marked else "none")
 
 
 _watch = _Watch()
