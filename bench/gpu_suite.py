@@ -84,18 +84,14 @@ def stages(results_dir: Path, selected: set[str] | None) -> list[Stage]:
         Stage("serving_a32", bench("serving", "--name", "serving_a32", "--budget-s", "190", "--configs", "a",
                                    "--concurrency", "1,2,4,8,16,32,64", "--output-tokens", "32",
                                    "--requests-per-point", "1", "--long-context", "0"), 210),
-        # The a/b target at 60K: the spec's 512 output tokens, where decode (dense attention reads every request's
-        # 60K context each step) dominates, up to concurrency 64.
-        Stage("serving_ab", bench("serving", "--name", "serving_ab", "--budget-s", "480", "--configs", "a,b",
-                                  "--concurrency", "1,16,64", "--output-tokens", "512", "--requests-per-point", "2",
-                                  "--long-context", "0"), 500),
-        # The same with the shared-page index scan (the 60K prefix's k-index read once per group of 4 requests).
+        # The a/b points at 1 / 16 / 64 with the shared-page index scan (the 60K prefix's k-index read once per group
+        # of 4 requests).
         Stage("serving_ab_shared", bench("serving", "--name", "serving_ab_shared", "--budget-s", "480", "--configs",
                                          "a,b", "--concurrency", "1,16,64", "--output-tokens", "512",
                                          "--requests-per-point", "2", "--long-context", "0", "--shared-page-scan"),
               500),
-        # The same with the clients' requests over one shared GenerateStream, as the gateway sends them (one gRPC
-        # message per engine wakeup instead of one per request per step).
+        # serving_abd's a and b with the clients' requests over one shared GenerateStream, as the gateway sends them
+        # (one gRPC message per engine wakeup instead of one per request per step).
         Stage("serving_ab_stream", bench("serving", "--name", "serving_ab_stream", "--budget-s", "390", "--configs",
                                          "a,b", "--weights", "a=2", "--concurrency", "1,2,4,8,16,32,64",
                                          "--output-tokens", "512", "--requests-per-point", "2", "--long-context", "0",
