@@ -173,6 +173,7 @@ def tables(rows: list[dict[str, Any]], extra: dict[str, Any], concurrencies: lis
         "decode_tok_s",
         "eager_decode_tok_s",
         "late_graph_decode_tok_s",
+        "graph_misses",
         "offload_hit_rate",
         "offload_miss_gbps",
         "offload_staging_gbps",

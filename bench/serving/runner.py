@@ -216,6 +216,7 @@ async def run_long(bench: Bench, name: str, share_s: float) -> None:
         served = await ServedEngine(await asyncio.to_thread(build_core, bench, config)).__aenter__()
         prompt = random_ids(random.Random(f"{args.seed}-long"), context, bench.workload.token_limit)
         before = await served.stats()
+        misses_before = await served.engine.run_on_engine_thread(_graph_misses)
         logger.info("config %s: long request (prefill of %d tokens)", name, context)
         started = time.perf_counter()
         async with asyncio.timeout(max(0.0, end - time.monotonic())):
@@ -230,6 +231,8 @@ async def run_long(bench: Bench, name: str, share_s: float) -> None:
             "eager_decode_tok_s": decode_rate(result.token_times, to_eager + 2, to_graphs - 1),
             "late_graph_decode_tok_s": decode_rate(result.token_times, to_graphs + 2, len(result.tokens) - 1),
             "prefix_hit_rate": result.cached_tokens / result.prompt_tokens,
+            # Graph-mode decode steps that ran eagerly instead (and may have compiled kernels mid-request).
+            "graph_misses": int(await served.engine.run_on_engine_thread(_graph_misses)) - int(misses_before),
             **offload_delta(before.offload, after.offload),
         })  # fmt: skip
     except TimeoutError:
@@ -243,6 +246,10 @@ async def run_long(bench: Bench, name: str, share_s: float) -> None:
         del served
         free_device_memory(bench.device)
     bench.record(row)
+
+
+def _graph_misses(core: EngineCore) -> int:
+    return core.runner.num_graph_misses
 
 
 async def _long_request(served: ServedEngine, name: str, prompt: list[int], new_tokens: int

@@ -33,6 +33,10 @@ from m3stack.engine.runtime.inputs import HostInputs
 logger = logging.getLogger(__name__)
 
 
+def _round_up(count: int, multiple: int) -> int:
+    return -(-count // multiple) * multiple
+
+
 def capture_sizes(max_batch: int) -> list[int]:
     """1, 2, 4, 8, then every multiple of 16, up to and including ``max_batch``."""
     sizes = {s for s in (1, 2, 4, 8) if s <= max_batch} | set(range(16, max_batch + 1, 16)) | {max_batch}
@@ -55,22 +59,27 @@ class PaddedDecodeBuffers:
         self.max_batch = max_batch
         self.max_pages = -(-max_model_len // block_size)
         pin = device.type == "cuda"
-        wide = torch.zeros((3, max_batch), dtype=torch.int64)
+        # Every view starts 16-byte aligned, as an eager step's freshly uploaded inputs do: Triton compiles a kernel
+        # variant per pointer alignment, so a view at another offset (the page table after one context length, the
+        # positions after one id) would make the graphs' kernels differ from the eager ones, and the first eager
+        # decode step would compile its own variants mid-serving (seconds; seen after a long prefill).
+        wide = torch.zeros((3, _round_up(max_batch, 2)), dtype=torch.int64)  # rows of 2 x 8 bytes
         wide[2] = -1  # padding rows: slot -1, never stored
-        narrow = torch.full((max_batch * (1 + self.max_pages),), NULL_BLOCK_ID, dtype=torch.int32)
+        self._table_offset = _round_up(max_batch, 4)  # 4 x 4 bytes
+        narrow = torch.full((self._table_offset + max_batch * self.max_pages,), NULL_BLOCK_ID, dtype=torch.int32)
         narrow[:max_batch] = 1  # padding rows: context 1 on the null page
         self._wide_host = wide.pin_memory() if pin else wide
         self._narrow_host = narrow.pin_memory() if pin else narrow
         self._wide = self._wide_host.to(device, copy=True)
         self._narrow = self._narrow_host.to(device, copy=True)
-        self.input_ids, self.positions, self.slot_mapping = self._wide.unbind(0)
+        self.input_ids, self.positions, self.slot_mapping = (row[:max_batch] for row in self._wide.unbind(0))
         self.seq_lens = self._narrow[:max_batch]
-        self.page_table = self._narrow[max_batch:].view(max_batch, self.max_pages)
+        self.page_table = self._narrow[self._table_offset :].view(max_batch, self.max_pages)
         self.query_start_loc = torch.arange(max_batch + 1, dtype=torch.int32, device=device)
         self.query_start_loc_cpu = torch.arange(max_batch + 1, dtype=torch.int32)
         self._ids_host = self._wide_host.numpy()
         self._seq_lens_host = self._narrow_host[:max_batch].numpy()
-        self._table_host = self._narrow_host[max_batch:].view(max_batch, self.max_pages).numpy()
+        self._table_host = self._narrow_host[self._table_offset :].view(max_batch, self.max_pages).numpy()
         self._table_width = 0  # columns of the host page table that may hold real pages
 
     def fits(self, host: HostInputs) -> bool:
@@ -99,13 +108,13 @@ class PaddedDecodeBuffers:
         table[:count, :width] = host.page_table
         self._table_width = max(width, self._table_width)
         self._wide.copy_(self._wide_host, non_blocking=True)
-        used = self.max_batch + size * self.max_pages
+        used = self._table_offset + size * self.max_pages
         self._narrow[:used].copy_(self._narrow_host[:used], non_blocking=True)
         return self.metadata(size)
 
     def step_blocks(self, size: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The device blocks that hold a staged step of ``size`` rows (what a parallel engine's workers receive)."""
-        return self._wide, self._narrow[: self.max_batch + size * self.max_pages]
+        return self._wide, self._narrow[: self._table_offset + size * self.max_pages]
 
     def host_seq_lens(self, size: int) -> torch.Tensor:
         return torch.from_numpy(self._seq_lens_host[:size])

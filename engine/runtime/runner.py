@@ -104,6 +104,9 @@ class ModelRunner:
         self.offload = offload  # CPU KV offload: spills and hot-buffer handles before each forward
         self.num_graph_steps = 0
         self.num_eager_steps = 0
+        # Pure-decode steps that ran eagerly although graphs were captured (the step did not fit them): each
+        # may meet kernel specializations the capture did not, so they should stay rare.
+        self.num_graph_misses = 0
         # Per-step timing with CUDA events (benchmarks); off by default, it costs two event records.
         self.timing = False
         self.last_timing = RunnerTiming()
@@ -184,6 +187,11 @@ class ModelRunner:
                 if launched is not None:
                     launched.record()
                 return self.decode_graphs.replay(size, len(host.seq_lens)), prepare_s
+            if len(host.input_ids) == len(host.seq_lens):
+                self.num_graph_misses += 1
+                log = logger.info if self.num_graph_misses == 1 else logger.debug
+                log("decode step of %d requests (page table width %d) missed the CUDA graphs",
+                    len(host.seq_lens), host.page_table.shape[1])  # fmt: skip
         self.num_eager_steps += 1
         inputs = to_device(host, self.block_size, self.device, self.encoder_cache)
         self._fill_placeholders(inputs.input_ids, host)

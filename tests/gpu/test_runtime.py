@@ -11,6 +11,7 @@ import pytest
 import torch
 from transformers import MiniMaxM3SparseForConditionalGeneration
 
+from m3stack.engine import kernel_compiles
 from m3stack.engine.attention.gpu import GpuAttentionBackend
 from m3stack.engine.model.config import parse_config
 from m3stack.engine.model.model import M3ForServing
@@ -117,7 +118,7 @@ def test_preemption_by_recompute_gives_the_same_tokens():
     assert tight.scheduler.num_preemptions > 0
 
 
-def _dense_mlp_core(cuda_graphs: bool, async_scheduling: bool):
+def _dense_mlp_core(cuda_graphs: bool, async_scheduling: bool, max_num_seqs: int = 8, max_model_len: int = 2048):
     """The tiny model's shape with dense MLPs everywhere and random weights: its decode forward never
     synchronizes with the host (the MoE's per-expert split does), so the attention backend is what decides
     whether decode can be captured."""
@@ -130,17 +131,13 @@ def _dense_mlp_core(cuda_graphs: bool, async_scheduling: bool):
     with torch.no_grad():
         for param in model.parameters():
             param.normal_(0.0, 0.1, generator=generator)
-    config = EngineConfig(device="cuda", dtype="float32", num_kv_blocks=512, max_num_seqs=8, max_model_len=2048,
-                          cuda_graphs=cuda_graphs, async_scheduling=async_scheduling)  # fmt: skip
+    config = EngineConfig(device="cuda", dtype="float32", num_kv_blocks=512, max_num_seqs=max_num_seqs,
+                          max_model_len=max_model_len, cuda_graphs=cuda_graphs,
+                          async_scheduling=async_scheduling)  # fmt: skip
     return assemble_engine_core(config, model.eval(), m3, model_path="dense-tiny", device=torch.device("cuda"),
                                 dtype=torch.float32)  # fmt: skip
 
 
-@pytest.mark.xfail(
-    not getattr(GpuAttentionBackend, "supports_cuda_graphs", False),
-    reason="engine.attention.gpu does not declare supports_cuda_graphs yet (see engine/runtime/cuda_graphs.py)",
-    strict=True,
-)
 @pytest.mark.parametrize("async_scheduling", [False, True])
 def test_cuda_graph_decode_matches_eager_decode(async_scheduling):
     eager = _generate(_dense_mlp_core(cuda_graphs=False, async_scheduling=False), PROMPTS)
@@ -149,6 +146,24 @@ def test_cuda_graph_decode_matches_eager_decode(async_scheduling):
     graphs = _generate(core, PROMPTS)
     assert core.runner.num_graph_steps >= NEW_TOKENS - 2  # the plain decode steps replayed graphs
     assert graphs == eager
+
+
+@pytest.mark.parametrize("max_num_seqs", [1, 3])
+def test_an_eager_decode_step_after_graph_capture_compiles_nothing(max_num_seqs):
+    """Decode steps that miss the graphs (a mixed batch, graphs switched off) must reuse the captured kernels' variants:
+    Triton compiles one per pointer alignment, and a compile mid-serving stalls every request for seconds.  Batch
+    limits 1 and 3 put the graphs' positions and page table at odd offsets of their buffers unless padded.  The
+    request nearly fills the context limit, so its eager page tables are about as wide as the graphs' (the scan's
+    split count, a constexpr, follows the width)."""
+    core = _dense_mlp_core(cuda_graphs=True, async_scheduling=False, max_num_seqs=max_num_seqs, max_model_len=256)
+    length = 256 - NEW_TOKENS - 12
+    _generate(core, {"graphs": _prompt(0, length)})
+    assert core.runner.num_graph_steps >= NEW_TOKENS - 2
+    before = kernel_compiles.snapshot()
+    core.runner.decode_graphs = None
+    _generate(core, {"eager": _prompt(1, length)})  # another prompt of that length: no prefix hit, same prefill
+    assert core.runner.num_eager_steps >= NEW_TOKENS
+    assert kernel_compiles.snapshot().count == before.count
 
 
 def test_async_scheduling_gives_the_same_tokens(whole_prefill):

@@ -68,3 +68,16 @@ def test_staging_clears_what_a_wider_earlier_batch_left(build_core):
     assert buffers.page_table[0, 1:].eq(0).all() and buffers.page_table[1].eq(0).all()
     assert buffers.page_table[0, 0] == int(narrow.page_table[0, 0])
     assert np.array_equal(buffers.input_ids[:1].numpy(), narrow.input_ids)
+
+
+def test_every_staged_input_starts_16_byte_aligned_like_an_eager_steps():
+    # Triton compiles a kernel variant per pointer alignment: a misaligned view in the graphs' buffers makes the
+    # first eager decode step (aligned fresh uploads) compile its own variants mid-serving.
+    for max_batch in (1, 2, 3, 5, 8, 33):
+        buffers = PaddedDecodeBuffers(torch.device("cpu"), block_size=16, max_batch=max_batch, max_model_len=200)
+        metadata = buffers.metadata(max_batch)
+        views = {"input_ids": buffers.input_ids, "positions": metadata.positions, "slots": metadata.slot_mapping,
+                 "seq_lens": metadata.seq_lens, "page_table": metadata.page_table}  # fmt: skip
+        misaligned = {name: view.data_ptr() % 16 for name, view in views.items() if view.data_ptr() % 16}
+        assert not misaligned, f"max_batch {max_batch}: {misaligned}"
+        assert buffers.page_table.shape == (max_batch, 13) and buffers.positions.shape == (max_batch,)
