@@ -22,7 +22,7 @@ import re
 import subprocess
 import sys
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -236,17 +236,23 @@ def main() -> int:
     parser.add_argument("--out", type=Path, default=None, help="also write sm90_compile.json here")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
-    rows = []
     kernels = set(args.kernels.split(","))
-    for build in (b for b in itertools.chain(prefill_builds(), decode_builds()) if b.name.split(" ")[0] in kernels):
-        rows.append(compile_report(build, args.dump))
+    builds = (b for b in itertools.chain(prefill_builds(), decode_builds()) if b.name.split(" ")[0] in kernels)
+    report_builds("sm90_compile", builds, args.dump, args.out)
+    return 0
+
+
+def report_builds(name: str, builds: Iterable[KernelBuild], dump: Path | None, out: Path | None) -> None:
+    """Compile each build, log its row, write ``<name>.json`` under ``out`` (if given) and print the table."""
+    rows = []
+    for build in builds:
+        rows.append(compile_report(build, dump))
         logger.info("%s", rows[-1])
-    if args.out is not None:
-        write_results("sm90_compile", rows, {"triton": triton.__version__}, out_dir=args.out)
+    if out is not None:
+        write_results(name, rows, {"triton": triton.__version__}, out_dir=out)
     columns = ["kernel", "warps", "stages", "registers", "spill_bytes", "shared_kib", "ctas_per_sm", "wgmma",
                "mma_sync", "cp_async", "error"]  # fmt: skip
     sys.stdout.write(f"Triton {triton.__version__}, sm_90\n\n{markdown_table(rows, columns)}\n")
-    return 0
 
 
 if __name__ == "__main__":

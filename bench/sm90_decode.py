@@ -9,14 +9,10 @@ Same method and Triton-version caveat as ``bench.sm90_compile`` (use Triton 3.6,
 
 import argparse
 import logging
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 
-from bench.common import markdown_table, write_results
-from bench.sm90_compile import TRITON_DEFAULT_STAGES, KernelBuild, compile_report
-
-logger = logging.getLogger("bench.sm90_decode")
+from bench.sm90_compile import TRITON_DEFAULT_STAGES, KernelBuild, report_builds
 
 
 def decode_builds() -> Iterator[KernelBuild]:
@@ -105,17 +101,7 @@ def main() -> int:
     parser.add_argument("--out", type=Path, default=None, help="also write sm90_decode.json here")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
-    import triton
-
-    rows = []
-    for build in decode_builds():
-        rows.append(compile_report(build, args.dump))
-        logger.info("%s", rows[-1])
-    if args.out is not None:
-        write_results("sm90_decode", rows, {"triton": triton.__version__}, out_dir=args.out)
-    columns = ["kernel", "warps", "stages", "registers", "spill_bytes", "shared_kib", "ctas_per_sm", "wgmma",
-               "mma_sync", "cp_async", "error"]  # fmt: skip
-    sys.stdout.write(f"Triton {triton.__version__}, sm_90\n\n{markdown_table(rows, columns)}\n")
+    report_builds("sm90_decode", decode_builds(), args.dump, args.out)
     return 0
 
 
