@@ -280,13 +280,8 @@ def build_parallel_engine_core(config: EngineConfig) -> EngineCore:
             process.kill()
         raise
     leader = LeaderModel(state.model, state.channel)
-    # Expert parallelism gathers each rank's routed tokens on the host (a sync per MoE layer): no decode graphs.
-    graphs = config.cuda_graphs and not parallel.expert_parallel
-    if config.cuda_graphs and not graphs:
-        logger.info("expert-parallel MoE synchronizes with the host every layer: decode steps run eagerly")
     # The agreed block count replaces the builder's own sizing; rank 0 offloads its own share.
-    engine_config = replace(config, cuda_graphs=graphs, num_kv_blocks=state.num_blocks - 1,
-                            kv_offload_gb=rank_offload_gb(config))  # fmt: skip
+    engine_config = replace(config, num_kv_blocks=state.num_blocks - 1, kv_offload_gb=rank_offload_gb(config))
     core = assemble_engine_core(
         engine_config,
         leader,

@@ -69,15 +69,22 @@ class ShardedMoE(MoE):
     def _experts(self, x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         if self.all_experts:
             return super()._experts(x, expert_ids, weights)
-        num_tokens, top_k = expert_ids.shape
+        # Pairs routed to another rank's experts take the skip id: device-side only, so expert-parallel steps
+        # never wait for the host and decode can replay CUDA graphs.  Every pair keeps its slot, so the slots are
+        # summed in the single-GPU order whichever rank holds each expert.
         local = (expert_ids >= self.experts.start) & (expert_ids < self.experts.stop)
-        tokens, slots = local.nonzero(as_tuple=True)
-        pairs = torch.zeros((num_tokens, top_k, x.shape[1]), dtype=torch.float32, device=x.device)
-        if tokens.numel():
-            local_ids = (expert_ids[tokens, slots] - self.experts.start)[:, None]
-            pairs[tokens, slots] = super()._experts(x[tokens], local_ids, weights[tokens, slots][:, None])
-        # Summed over slots in slot order, as the single-GPU path does, whichever rank holds each expert.
-        return pairs.sum(dim=1)
+        local_ids = torch.where(local, expert_ids - self.experts.start, len(self.experts))
+        return super()._experts(x, local_ids, weights)
+
+    def _grouped(self, inputs: torch.Tensor, flat_ids: torch.Tensor) -> torch.Tensor:
+        out = super()._grouped(inputs, flat_ids)
+        if self.all_experts:
+            return out
+        # The skipped pairs' rows (sorted last) were never written: they must add exactly zero to their tokens'
+        # sums, whatever the memory held (a NaN times a weight stays NaN).
+        owned = (flat_ids < len(self.experts)).sum()
+        rows = torch.arange(out.shape[0], device=out.device)
+        return torch.where((rows < owned)[:, None], out, 0)
 
 
 def _moe_text(text: TextConfig, num_experts: int, expert_rows: int, shared_rows: int) -> TextConfig:

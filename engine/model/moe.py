@@ -54,6 +54,8 @@ class MoE(nn.Module):
 
         Token-expert pairs are sorted by expert so each expert runs one GEMM over its tokens, then put back in
         (token, slot) order and summed per token (no atomics: the same tokens give the same sums in any batch).
+        An id of ``num_experts`` marks a pair this module does not run (another rank's expert under expert
+        parallelism): such pairs sort after every expert's rows, no GEMM covers them, and they add exactly zero.
         """
         num_tokens, top_k = expert_ids.shape
         flat = expert_ids.flatten()
@@ -66,7 +68,8 @@ class MoE(nn.Module):
 
     def _looped(self, inputs: torch.Tensor, flat_ids: torch.Tensor) -> torch.Tensor:
         """One GEMM pair per expert that has tokens; the counts go to the host (a sync per layer)."""
-        counts = torch.bincount(flat_ids, minlength=self.gate_up_proj.shape[0]).tolist()
+        num_experts = self.gate_up_proj.shape[0]
+        *counts, skipped = torch.bincount(flat_ids, minlength=num_experts + 1).tolist()
         outputs, start = [], 0
         for expert, count in enumerate(counts):
             if count:
@@ -74,14 +77,16 @@ class MoE(nn.Module):
                 hidden = swiglu_oai(F.linear(rows, self.gate_up_proj[expert]), self.alpha, self.limit)
                 outputs.append(F.linear(hidden, self.down_proj[expert]))
                 start += count
+        outputs.append(inputs.new_zeros(skipped, self.down_proj.shape[1]))
         return torch.cat(outputs)
 
     def _grouped(self, inputs: torch.Tensor, flat_ids: torch.Tensor) -> torch.Tensor:
-        """Grouped GEMMs with device-side group offsets: no host sync, so decode steps can be CUDA-graphed."""
+        """Grouped GEMMs with device-side group offsets: no host sync, so decode steps can be CUDA-graphed.
+        Rows past the last expert's group (skipped pairs) are left unwritten: whoever may skip pairs masks them."""
         num_experts = self.gate_up_proj.shape[0]
-        counts = torch.zeros(num_experts, dtype=torch.int32, device=inputs.device)
+        counts = torch.zeros(num_experts + 1, dtype=torch.int32, device=inputs.device)
         counts.scatter_add_(0, flat_ids, torch.ones_like(flat_ids, dtype=torch.int32))
-        offsets = counts.cumsum(0, dtype=torch.int32)
+        offsets = counts[:num_experts].cumsum(0, dtype=torch.int32)
         hidden = grouped_mm(inputs, self.gate_up_proj.transpose(1, 2), offsets)
         hidden = swiglu_oai(hidden, self.alpha, self.limit)
         return grouped_mm(hidden, self.down_proj.transpose(1, 2), offsets)

@@ -8,7 +8,7 @@
   query and 2 KV heads per rank), M3 attention dims: TP=2 greedy tokens equal TP=1's up to the first step
   where TP=2 picks a token TP=1 ranked within bf16 noise of its best (0.05 in logprob; on random weights over a
   200K vocabulary several tokens can sit that close); a difference anywhere else fails.
-  Both MoE layouts, decode CUDA graphs on every rank (tensor-parallel experts), and CPU KV offload per rank.
+  Both MoE layouts, decode CUDA graphs on every rank, and CPU KV offload per rank.
 
 Needs 2 GPUs; fails, never skips, with fewer.
 """
@@ -152,9 +152,8 @@ def _engine_greedy(config: EngineConfig) -> dict[str, tuple[list[int], list[tupl
 
 @pytest.mark.parametrize("expert_parallel", [False, True])
 def test_bfloat16_engine_two_ranks_agree_with_one_rank(tmp_path_factory, expert_parallel):
-    """Tensor-parallel experts: decode replays CUDA graphs on both ranks.  Expert parallelism syncs with the host
-    in every MoE layer, so its engine runs decode eagerly."""
-    _check_two_ranks_agree(tmp_path_factory, expert_parallel, attention="auto", cuda_graphs=not expert_parallel)
+    """Decode replays CUDA graphs on both ranks with either MoE layout (expert parallelism routes on the device)."""
+    _check_two_ranks_agree(tmp_path_factory, expert_parallel, attention="auto", cuda_graphs=True)
 
 
 def test_bfloat16_engine_two_ranks_with_offload_agree_with_one_rank_without(tmp_path_factory):
