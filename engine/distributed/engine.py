@@ -7,13 +7,14 @@ spawns that node's ranks and serves as its first one.  Every rank then does the 
 their collectives meet: join the groups, build and load its shard, size the KV cache (the minimum over ranks
 wins), allocate it.  Workers then loop in ``messages.serve_steps``; rank 0 stops them at exit.
 
-Decode CUDA graphs are off with more than one rank for now (each step runs eagerly on every rank).
+A rank that ends unasked ends its node's engine process (``_RankWatch``): the group cannot go on without it.
 """
 
 import atexit
 import datetime
 import logging
 import multiprocessing
+import multiprocessing.connection
 import multiprocessing.process
 import os
 import socket
@@ -50,6 +51,7 @@ logger = logging.getLogger(__name__)
 CONTROL_TIMEOUT = datetime.timedelta(days=365)
 COLLECTIVE_TIMEOUT = datetime.timedelta(minutes=30)
 STOP_JOIN_SECONDS = 30.0
+LOST_RANK_EXIT_CODE = 1
 # Float32 copies of the sampled rows' logits the sampler may hold at once (rank 0's profile headroom).
 SAMPLER_LOGIT_COPIES = 3
 
@@ -215,6 +217,40 @@ def _spawn_ranks(config: EngineConfig) -> list[multiprocessing.process.BaseProce
     return processes
 
 
+class _RankWatch:
+    """Ends this process as soon as one of the ranks it started ends unasked (killed, crashed, out of memory).
+
+    The other ranks would otherwise wait for it in their next collective for the whole timeout (30 minutes for
+    NCCL, forever for an idle engine, which runs none) while the server kept reporting itself healthy.  Exiting
+    hands the restart to whoever supervises the engine: ``m3stack up``, the kubelet, LeaderWorkerSet (which
+    recreates the whole group).  A rank asked to stop exits with 0, or is killed after ``expect_exit``.
+    """
+
+    def __init__(self, processes: list[multiprocessing.process.BaseProcess]) -> None:
+        self.processes = processes
+        self.expected = threading.Event()
+        if processes:
+            threading.Thread(target=self._watch, name="rank-watch", daemon=True).start()
+
+    def expect_exit(self) -> None:
+        self.expected.set()
+
+    def _watch(self) -> None:
+        ended = multiprocessing.connection.wait([process.sentinel for process in self.processes])
+        lost = next(process for process in self.processes if process.sentinel in ended)
+        lost.join()  # ended: sets exitcode
+        if self.expected.is_set() or lost.exitcode == 0:
+            return
+        logger.critical(
+            "%s (pid %s) exited with code %s; the engine cannot run without one of its ranks, so it exits too",
+            lost.name, lost.pid, lost.exitcode,
+        )  # fmt: skip
+        for process in self.processes:
+            if process.is_alive():
+                process.kill()
+        os._exit(LOST_RANK_EXIT_CODE)
+
+
 def _watch_parent() -> None:
     """A spawned rank exits when the process that started it is gone (killed engines leave no orphans)."""
     parent = os.getppid()
@@ -256,9 +292,11 @@ def run_worker_node(config: EngineConfig) -> int:
     """A non-leader node of a multi-node engine: its ranks run until the leader stops them (or dies)."""
     disable_multicast()
     processes = _spawn_ranks(config)
+    watch = _RankWatch(processes)
     try:
         run_worker(config, config.parallel.first_rank, 0)
     finally:
+        watch.expect_exit()
         for process in processes:
             process.join(STOP_JOIN_SECONDS)
     return max((abs(p.exitcode or 0) for p in processes), default=0)
@@ -273,9 +311,11 @@ def build_parallel_engine_core(config: EngineConfig) -> EngineCore:
     if not parallel.master_port:
         config = replace(config, parallel=replace(parallel, master_port=free_port()))
     processes = _spawn_ranks(config)
+    watch = _RankWatch(processes)  # from the start: a rank failing to load would leave rank 0 waiting to meet it
     try:
         state = start_rank(config, 0, 0)
     except BaseException:
+        watch.expect_exit()
         for process in processes:
             process.kill()
         raise
@@ -291,7 +331,7 @@ def build_parallel_engine_core(config: EngineConfig) -> EngineCore:
         dtype=state.dtype,
         rank_zero=RankZero(backend_wrapper=leader.record, shard=state.model, graph_peers=leader),
     )
-    stop = _Stopper(leader, processes)
+    stop = _Stopper(leader, processes, watch)
     _STOPPERS[id(core)] = stop
     atexit.register(stop)
     logger.info(
@@ -306,15 +346,19 @@ def build_parallel_engine_core(config: EngineConfig) -> EngineCore:
 class _Stopper:
     """Stops a parallel engine's workers once (at interpreter exit, or earlier through ``stop_parallel_engine``)."""
 
-    def __init__(self, leader: LeaderModel, processes: list[multiprocessing.process.BaseProcess]) -> None:
+    def __init__(
+        self, leader: LeaderModel, processes: list[multiprocessing.process.BaseProcess], watch: _RankWatch
+    ) -> None:
         self.leader = leader
         self.processes = processes
+        self.watch = watch
         self.done = False
 
     def __call__(self) -> None:
         if self.done:
             return
         self.done = True
+        self.watch.expect_exit()
         try:
             self.leader.stop_workers()
         except Exception:

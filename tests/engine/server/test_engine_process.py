@@ -1,50 +1,24 @@
 """``m3stack engine`` as a real process: the ready line and /loaded, serving, drain on SIGTERM, startup errors."""
 
-import os
 import signal
-import subprocess
-import sys
 import threading
-import time
 
 import grpc
 
 from m3stack.engine.proto import engine_pb2 as pb
 from m3stack.engine.proto import engine_pb2_grpc
 from m3stack.local.processes import free_port, http_ok
-
-LOOPBACK = "127.0.0.1"
-
-
-def _start(*flags: str) -> subprocess.Popen:
-    return subprocess.Popen(
-        [sys.executable, "-m", "m3stack", "engine", "--device", "cpu", "--host", LOOPBACK, *flags],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        env={**os.environ, "OMP_NUM_THREADS": "1"},
-    )
-
-
-def _wait_loaded(process: subprocess.Popen, metrics_port: int, timeout_s: float = 180) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            raise AssertionError(f"the engine exited early:\n{process.stdout.read()}")
-        if http_ok(f"http://{LOOPBACK}:{metrics_port}/loaded", timeout_s=1):
-            return
-        time.sleep(0.1)
-    raise AssertionError("the engine never answered /loaded")
+from tests.helpers.engine_process import LOOPBACK, start_engine_process, wait_engine_loaded
 
 
 def test_the_engine_process_serves_then_drains_on_sigterm(tiny_model_dir):
     port, metrics_port = free_port(LOOPBACK), free_port(LOOPBACK)
-    process = _start(
+    process = start_engine_process(
         "--model", str(tiny_model_dir), "--port", str(port), "--metrics-port", str(metrics_port),
         "--drain-timeout", "1", "--max-model-len", "600", "--kv-cache-gb", "0.05",
     )  # fmt: skip
     try:
-        _wait_loaded(process, metrics_port)
+        wait_engine_loaded(process, metrics_port)
         with grpc.insecure_channel(f"{LOOPBACK}:{port}") as channel:
             stub = engine_pb2_grpc.EngineStub(channel)
             sampling = pb.SamplingParams(temperature=0.0, max_new_tokens=3)
@@ -73,7 +47,7 @@ def test_the_engine_process_serves_then_drains_on_sigterm(tiny_model_dir):
 
 
 def test_a_missing_checkpoint_exits_1_naming_it():
-    process = _start("--model", "/nonexistent/checkpoint", "--port", str(free_port(LOOPBACK)))
+    process = start_engine_process("--model", "/nonexistent/checkpoint", "--port", str(free_port(LOOPBACK)))
     output, _ = process.communicate(timeout=180)
     assert process.returncode == 1, output
     assert "'/nonexistent/checkpoint' is not a folder" in output
