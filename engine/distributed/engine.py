@@ -91,8 +91,12 @@ def rank_device(device: str, local_rank: int) -> torch.device:
     return torch.device("cuda", local_rank)
 
 
-def start_rank(config: EngineConfig, rank: int, local_rank: int) -> RankState:
-    """Join the groups, build and load this rank's shard, agree on the KV cache size."""
+def start_rank(config: EngineConfig, rank: int, local_rank: int, collectives: str | None = None) -> RankState:
+    """Join the groups, build and load this rank's shard, agree on the KV cache size.
+
+    ``collectives``: the default group's backend, NCCL on GPUs and gloo on CPU unless given (gloo also moves
+    CUDA tensors, slowly and outside CUDA graphs: what lets tests put two ranks on one GPU, which NCCL refuses).
+    """
     parallel = config.parallel
     device = rank_device(config.device, local_rank)
     if device.type == "cuda":
@@ -106,13 +110,14 @@ def start_rank(config: EngineConfig, rank: int, local_rank: int) -> RankState:
     plan = plan_shards(load_config(folder).text, parallel.tensor_parallel, rank, parallel.expert_parallel)
     address = f"tcp://{parallel.master_addr}:{parallel.master_port}"
     logger.info("rank %d/%d (%s) joining %s", rank, parallel.tensor_parallel, device, address)
+    backend = collectives or ("nccl" if device.type == "cuda" else "gloo")
     dist.init_process_group(
-        "nccl" if device.type == "cuda" else "gloo",
+        backend,
         init_method=address,
         rank=rank,
         world_size=parallel.tensor_parallel,
         timeout=COLLECTIVE_TIMEOUT,
-        device_id=device if device.type == "cuda" else None,
+        device_id=device if backend == "nccl" else None,
     )
     control = dist.new_group(backend="gloo", timeout=CONTROL_TIMEOUT)
     channel = Channel(control, device)
