@@ -107,6 +107,7 @@ def stages(results_dir: Path, selected: set[str] | None) -> list[Stage]:
                                        "--requests-per-point", "1", "--long-context", "524288",
                                        "--long-output-tokens", "63"), 245),
         Stage("offload_copy", bench("offload_copy"), 90),
+        Stage("moe_routing", bench("moe_routing"), 120),
         Stage("msa_decode", bench("msa_decode"), 420),
         # The targets' cases, the sweep where the 7x target is missed (1M x 1) and at 128K x 8 (split-major scans
         # over a shared prefix).

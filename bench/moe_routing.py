@@ -1,0 +1,103 @@
+"""Expert-parallel MoE routing on one GPU, at one rank's share of M3 at TP=8: which route a step size should take.
+
+M3's MoE: hidden 6144, 128 experts of 3072 intermediate rows, top-8.  With ``--expert-parallel`` at TP=8 a rank
+holds 16 whole experts and runs the pairs routed to them:
+
+* ``on_device``: every (token, slot) pair goes through the sort, other ranks' pairs take a skip id (no host sync:
+  what CUDA graphs capture), so the row traffic is the whole batch's;
+* ``compact``: this rank's pairs found on the host (one sync), row traffic in proportion to its share;
+* the peer layout, tensor-parallel experts (all 128 experts, 384 rows each): the same GEMM work per rank.
+
+Router ids come from a random router on random inputs (near-uniform load: each rank owns ~1/8 of the pairs).
+Times are CUDA-event medians of the routed-experts call (``triton.testing.do_bench``; the compact route's host
+sync included); both routes' sums are checked against each other once per size.  ``ShardedMoE`` switches from
+``on_device`` to ``compact`` at ``COMPACT_ROUTING_MIN_TOKENS``; the table says whether that is where the
+crossover is.
+
+    python -m bench.moe_routing [--out DIR]
+"""
+
+import argparse
+import logging
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from bench.common import cuda_time_us, markdown_table, write_results
+from m3stack.engine.distributed.layers import COMPACT_ROUTING_MIN_TOKENS, ShardedMoE
+from m3stack.engine.model.config import parse_config
+
+logger = logging.getLogger("bench.moe_routing")
+
+WORLD = 8
+M3_MOE = {
+    "vocab_size": 200064,
+    "hidden_size": 6144,
+    "num_hidden_layers": 1,
+    "layer_types": ["full_attention"],
+    "mlp_layer_types": ["sparse"],
+    "num_attention_heads": 64,
+    "num_key_value_heads": 4,
+    "head_dim": 128,
+    "intermediate_size": 3072,
+    "shared_intermediate_size": 3072,
+    "num_local_experts": 128,
+    "num_experts_per_tok": 8,
+}
+TOKENS = [16, 64, 128, 256, 512, 1024, 4096, 8192]
+COLUMNS = ["tokens", "on_device_us", "compact_us", "compact_over_on_device", "tp_experts_us", "route_taken"]
+
+
+def rank_moe(expert_parallel: bool) -> ShardedMoE:
+    """Rank 0's MoE of M3 at TP=8, random bf16 weights (the router is the full one either way)."""
+    text = parse_config({"model_type": "minimax_m3_vl", "text_config": M3_MOE, "vision_config": {}}).text
+    experts = range(text.num_experts // WORLD) if expert_parallel else range(text.num_experts)
+    rows = text.moe_intermediate_size if expert_parallel else text.moe_intermediate_size // WORLD
+    moe = ShardedMoE(text, experts=experts, expert_rows=rows, shared_rows=text.shared_intermediate_size // WORLD,
+                     dtype=torch.bfloat16, device="cuda")  # fmt: skip
+    generator = torch.Generator(device="cuda").manual_seed(0)
+    with torch.no_grad():
+        for parameter in moe.parameters():
+            fan_in = parameter.shape[-1] if parameter.dim() > 1 else 1
+            parameter.copy_(torch.randn(parameter.shape, generator=generator, device="cuda") / fan_in**0.5)
+        moe.router.correction_bias.zero_()
+    return moe
+
+
+def measure(tokens: int, expert_parallel: ShardedMoE, tensor_parallel: ShardedMoE) -> dict[str, Any]:
+    generator = torch.Generator(device="cuda").manual_seed(tokens)
+    x = torch.randn(tokens, M3_MOE["hidden_size"], generator=generator, device="cuda", dtype=torch.bfloat16)
+    with torch.inference_mode():
+        expert_ids, weights = expert_parallel.router(x)
+        on_device = expert_parallel.experts_on_device(x, expert_ids, weights)
+        compact = expert_parallel.experts_compact(x, expert_ids, weights)
+        torch.testing.assert_close(on_device, compact, rtol=2e-2, atol=2e-2)
+        times = {
+            "on_device_us": cuda_time_us(lambda: expert_parallel.experts_on_device(x, expert_ids, weights)),
+            "compact_us": cuda_time_us(lambda: expert_parallel.experts_compact(x, expert_ids, weights)),
+            "tp_experts_us": cuda_time_us(lambda: tensor_parallel._experts(x, expert_ids, weights)),
+        }
+    route = "compact" if tokens >= COMPACT_ROUTING_MIN_TOKENS else "on_device"
+    row = {"tokens": tokens, **times, "compact_over_on_device": times["compact_us"] / times["on_device_us"]}
+    logger.info("%d tokens: %s", tokens, row)
+    return {**row, "route_taken": route}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, default=None, help="folder for moe_routing.json (default bench/results)")
+    args = parser.parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    expert_parallel, tensor_parallel = rank_moe(expert_parallel=True), rank_moe(expert_parallel=False)
+    rows = [measure(tokens, expert_parallel, tensor_parallel) for tokens in TOKENS]
+    extra = {"shape": "M3 MoE at TP=8, rank 0: 16 whole experts (expert-parallel) or 128 x 384 rows (tensor-parallel)",
+             "compact_routing_min_tokens": COMPACT_ROUTING_MIN_TOKENS}  # fmt: skip
+    write_results("moe_routing", rows, extra, args.out)
+    sys.stdout.write(markdown_table(rows, COLUMNS) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
