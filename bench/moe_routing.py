@@ -6,7 +6,9 @@ holds 16 whole experts and runs the pairs routed to them:
 * ``on_device``: every (token, slot) pair goes through the sort, other ranks' pairs take a skip id (no host sync:
   what CUDA graphs capture), so the row traffic is the whole batch's;
 * ``compact``: this rank's pairs found on the host (one sync), row traffic in proportion to its share;
-* the peer layout, tensor-parallel experts (all 128 experts, 384 rows each): the same GEMM work per rank.
+* the peer layout, tensor-parallel experts (all 128 experts, 384 rows each): the same GEMM work per rank;
+* the combine alone (each token's weighted sum of its experts' rows, ``[tokens x 8, 6144]`` bf16 rows): the
+  fused kernel the MoE runs against its torch twin (unpermute, upcast, scale, sum).
 
 Router ids come from a random router on random inputs (near-uniform load: each rank owns ~1/8 of the pairs).
 Times are CUDA-event medians of the routed-experts call (``triton.testing.do_bench``; the compact route's host
@@ -28,6 +30,7 @@ import torch
 from bench.common import cuda_time_us, markdown_table, write_results
 from m3stack.engine.distributed.layers import COMPACT_ROUTING_MIN_TOKENS, ShardedMoE
 from m3stack.engine.model.config import parse_config
+from m3stack.engine.model.moe import combine_expert_rows, combine_expert_rows_eager
 
 logger = logging.getLogger("bench.moe_routing")
 
@@ -47,7 +50,17 @@ M3_MOE = {
     "num_experts_per_tok": 8,
 }
 TOKENS = [16, 64, 128, 256, 512, 1024, 4096, 8192]
-COLUMNS = ["tokens", "on_device_us", "compact_us", "compact_over_on_device", "tp_experts_us", "route_taken"]
+COLUMNS = [
+    "tokens",
+    "on_device_us",
+    "compact_us",
+    "compact_over_on_device",
+    "tp_experts_us",
+    "route_taken",
+    "combine_us",
+    "combine_eager_us",
+    "eager_over_fused",
+]
 
 
 def rank_moe(expert_parallel: bool) -> ShardedMoE:
@@ -79,8 +92,20 @@ def measure(tokens: int, expert_parallel: ShardedMoE, tensor_parallel: ShardedMo
             "compact_us": cuda_time_us(lambda: expert_parallel.experts_compact(x, expert_ids, weights)),
             "tp_experts_us": cuda_time_us(lambda: tensor_parallel._experts(x, expert_ids, weights)),
         }
+        rows = torch.randn(expert_ids.numel(), x.shape[1], generator=generator, device="cuda").to(torch.bfloat16)
+        order = torch.argsort(expert_ids.flatten(), stable=True)
+        owned = torch.tensor(rows.shape[0], device="cuda")
+        fused = combine_expert_rows(rows, order, weights, owned)
+        torch.testing.assert_close(fused, combine_expert_rows_eager(rows, order, weights, owned))
+        times["combine_us"] = cuda_time_us(lambda: combine_expert_rows(rows, order, weights, owned))
+        times["combine_eager_us"] = cuda_time_us(lambda: combine_expert_rows_eager(rows, order, weights, owned))
     route = "compact" if tokens >= COMPACT_ROUTING_MIN_TOKENS else "on_device"
-    row = {"tokens": tokens, **times, "compact_over_on_device": times["compact_us"] / times["on_device_us"]}
+    row = {
+        "tokens": tokens,
+        **times,
+        "compact_over_on_device": times["compact_us"] / times["on_device_us"],
+        "eager_over_fused": times["combine_eager_us"] / times["combine_us"],
+    }
     logger.info("%d tokens: %s", tokens, row)
     return {**row, "route_taken": route}
 

@@ -84,8 +84,8 @@ class ShardedMoE(MoE):
 
     def experts_on_device(self, x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """Every (token, slot) pair goes through the sort; those of other ranks' experts take the skip id, run no
-        GEMM and add zero.  No host sync (decode steps replay CUDA graphs), but the row traffic (gather, scatter,
-        weighted sum) is the whole batch's, not this rank's share."""
+        GEMM and add zero.  No host sync (decode steps replay CUDA graphs), but the row traffic (the gather of the
+        inputs, the combine) is the whole batch's, not this rank's share."""
         local = (expert_ids >= self.experts.start) & (expert_ids < self.experts.stop)
         local_ids = torch.where(local, expert_ids - self.experts.start, len(self.experts))
         return super()._experts(x, local_ids, weights)
@@ -100,16 +100,6 @@ class ShardedMoE(MoE):
             local_ids = (expert_ids[tokens, slots] - self.experts.start)[:, None]
             pairs[tokens, slots] = super()._experts(x[tokens], local_ids, weights[tokens, slots][:, None])
         return pairs.sum(dim=1)
-
-    def _grouped(self, inputs: torch.Tensor, flat_ids: torch.Tensor) -> torch.Tensor:
-        out = super()._grouped(inputs, flat_ids)
-        if self.all_experts:
-            return out
-        # The skipped pairs' rows (sorted last) were never written: they must add exactly zero to their tokens'
-        # sums, whatever the memory held (a NaN times a weight stays NaN).
-        owned = (flat_ids < len(self.experts)).sum()
-        rows = torch.arange(out.shape[0], device=out.device)
-        return torch.where((rows < owned)[:, None], out, 0)
 
 
 def _moe_text(text: TextConfig, num_experts: int, expert_rows: int, shared_rows: int) -> TextConfig:

@@ -9,8 +9,12 @@ decode step.  Each function here does what its torch twin (``norm.gemma_rms_norm
 (to the activations' dtype after every bf16 op), so the fused outputs equal the eager ones except where the
 norm's float32 sum of squares adds in another order.
 
-The callers (``norm.GemmaRMSNorm``, ``mlp``, ``attention``) use these for CUDA tensors and their torch twins
-elsewhere; the tests run both on CPU under ``TRITON_INTERPRET=1`` and compare them.
+The MoE's combine (``moe.combine_expert_rows``: each token's routing-weighted sum of its experts' output rows)
+reads the grouped GEMM's rows where they lie instead of unpermuting them, upcasting, scaling and summing in four
+passes over ``[tokens x top-k, hidden]``.
+
+The callers (``norm.GemmaRMSNorm``, ``mlp``, ``attention``, ``moe``) use these for CUDA tensors and their torch
+twins elsewhere; the tests run both on CPU under ``TRITON_INTERPRET=1`` and compare them.
 """
 
 import torch
@@ -18,6 +22,7 @@ import triton
 import triton.language as tl
 
 _SWIGLU_BLOCK = 1024
+_COMBINE_BLOCK = 1024
 
 
 @triton.jit
@@ -111,6 +116,44 @@ def _head_norm_rope_kernel(
     rotated = _rounded(_rounded(normed * cos, dtype) + _rounded(signed_partner * sin, dtype), dtype)
     out = tl.where(rotary, rotated, normed)
     tl.store(out_ptr + token * stride_ot + head * stride_oh + dim, out.to(dtype), mask=mask)
+
+
+@triton.jit
+def _combine_experts_kernel(
+    rows_ptr, position_ptr, weights_ptr, owned_ptr, out_ptr, stride_rows, hidden,
+    TOP_K: tl.constexpr, BLOCK: tl.constexpr,
+):  # fmt: skip
+    """``out[t] = sum over slots s of weights[t, s] * rows[position[t, s]]`` in float32, slots in order; a row at
+    or past ``owned`` (a pair no GEMM ran) adds zero whatever it holds."""
+    token = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    owned = tl.load(owned_ptr)
+    total = tl.zeros([BLOCK], dtype=tl.float32)
+    for slot in tl.static_range(TOP_K):
+        position = tl.load(position_ptr + token * TOP_K + slot)
+        weight = tl.load(weights_ptr + token * TOP_K + slot)
+        width = tl.where(position < owned, hidden, 0)  # a row no GEMM ran: read none of it
+        value = tl.load(rows_ptr + position * stride_rows + cols, mask=cols < width, other=0.0)
+        total += value.to(tl.float32) * weight
+    tl.store(out_ptr + token * hidden + cols, total, mask=cols < hidden)
+
+
+def combine_expert_rows(
+    rows: torch.Tensor, order: torch.Tensor, weights: torch.Tensor, owned: torch.Tensor
+) -> torch.Tensor:
+    """``moe.combine_expert_rows``: float32 ``[T, hidden]`` from the expert-sorted ``rows`` ``[T * k, hidden]``."""
+    num_tokens, top_k = weights.shape
+    position = torch.empty_like(order)
+    position[order] = torch.arange(order.numel(), device=order.device)
+    out = torch.empty((num_tokens, rows.shape[1]), dtype=torch.float32, device=rows.device)
+    if num_tokens:
+        rows = _row_view(rows)
+        grid = (num_tokens, triton.cdiv(rows.shape[1], _COMBINE_BLOCK))
+        _combine_experts_kernel[grid](
+            rows, position, weights.float().contiguous(), owned.reshape(1), out, rows.stride(0), rows.shape[1],
+            TOP_K=top_k, BLOCK=_COMBINE_BLOCK, num_warps=4,
+        )  # fmt: skip
+    return out
 
 
 def _row_view(x: torch.Tensor) -> torch.Tensor:

@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from m3stack.engine.model import fused
 from m3stack.engine.model.config import TextConfig
 from m3stack.engine.model.mlp import GatedMLP, swiglu_oai
 from m3stack.engine.model.params import empty_parameter
@@ -57,14 +58,13 @@ class MoE(nn.Module):
         An id of ``num_experts`` marks a pair this module does not run (another rank's expert under expert
         parallelism): such pairs sort after every expert's rows, no GEMM covers them, and they add exactly zero.
         """
-        num_tokens, top_k = expert_ids.shape
+        top_k = expert_ids.shape[1]
         flat = expert_ids.flatten()
         order = torch.argsort(flat, stable=True)
         inputs = x[order // top_k]
         sorted_out = self._grouped(inputs, flat) if use_grouped_mm(x) else self._looped(inputs, flat)
-        out = torch.empty_like(sorted_out)
-        out[order] = sorted_out
-        return (out.view(num_tokens, top_k, -1).float() * weights[..., None]).sum(dim=1)
+        owned = (flat < self.gate_up_proj.shape[0]).sum()  # pairs this module ran: sorted first
+        return combine_expert_rows(sorted_out, order, weights, owned)
 
     def _looped(self, inputs: torch.Tensor, flat_ids: torch.Tensor) -> torch.Tensor:
         """One GEMM pair per expert that has tokens; the counts go to the host (a sync per layer)."""
@@ -82,7 +82,7 @@ class MoE(nn.Module):
 
     def _grouped(self, inputs: torch.Tensor, flat_ids: torch.Tensor) -> torch.Tensor:
         """Grouped GEMMs with device-side group offsets: no host sync, so decode steps can be CUDA-graphed.
-        Rows past the last expert's group (skipped pairs) are left unwritten: whoever may skip pairs masks them."""
+        Rows past the last expert's group (skipped pairs) are left unwritten; the combine ignores them."""
         num_experts = self.gate_up_proj.shape[0]
         counts = torch.zeros(num_experts + 1, dtype=torch.int32, device=inputs.device)
         counts.scatter_add_(0, flat_ids, torch.ones_like(flat_ids, dtype=torch.int32))
@@ -90,6 +90,31 @@ class MoE(nn.Module):
         hidden = grouped_mm(inputs, self.gate_up_proj.transpose(1, 2), offsets)
         hidden = swiglu_oai(hidden, self.alpha, self.limit)
         return grouped_mm(hidden, self.down_proj.transpose(1, 2), offsets)
+
+
+def combine_expert_rows(
+    rows: torch.Tensor, order: torch.Tensor, weights: torch.Tensor, owned: torch.Tensor
+) -> torch.Tensor:
+    """Each token's routing-weighted sum of its experts' outputs, float32 ``[T, H]``, slots summed in order.
+
+    ``rows`` ``[T * k, H]`` are in expert-sorted order: row ``j`` belongs to flat pair ``order[j]`` (token
+    ``order[j] // k``, slot ``order[j] % k``).  Rows at or past ``owned`` (a 0-d device tensor: pairs no GEMM
+    ran) add zero whatever they hold.  One kernel on CUDA tensors (``model.fused``), its torch twin elsewhere.
+    """
+    if rows.is_cuda:
+        return fused.combine_expert_rows(rows, order, weights, owned)
+    return combine_expert_rows_eager(rows, order, weights, owned)
+
+
+def combine_expert_rows_eager(
+    rows: torch.Tensor, order: torch.Tensor, weights: torch.Tensor, owned: torch.Tensor
+) -> torch.Tensor:
+    """``combine_expert_rows`` in torch ops: unpermute, upcast, scale, sum (four passes over the rows)."""
+    num_tokens, top_k = weights.shape
+    ran = torch.arange(rows.shape[0], device=rows.device) < owned
+    unsorted = torch.empty_like(rows)
+    unsorted[order] = torch.where(ran[:, None], rows, 0)
+    return (unsorted.view(num_tokens, top_k, -1).float() * weights[..., None]).sum(dim=1)
 
 
 def grouped_mm(inputs: torch.Tensor, weights: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:

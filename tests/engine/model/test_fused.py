@@ -7,7 +7,7 @@ os.environ.setdefault("TRITON_INTERPRET", "1")  # before any kernel module is im
 import pytest
 import torch
 
-from m3stack.engine.model import fused
+from m3stack.engine.model import fused, moe
 from m3stack.engine.model.mlp import swiglu_oai
 from m3stack.engine.model.norm import gemma_rms_norm
 from m3stack.engine.model.rope import apply_rotary, inverse_frequencies, text_cos_sin
@@ -87,3 +87,23 @@ def test_head_norm_rope_refuses_an_odd_rotary_width() -> None:
     cos = torch.ones(2, 5)
     with pytest.raises(ValueError, match="must be even"):
         fused.head_norm_rope(torch.zeros(2, 1, 8), torch.zeros(8), cos, cos, 1e-6)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("num_tokens", "top_k", "skipped"), [(5, 2, 0), (7, 8, 0), (6, 4, 9), (3, 2, 6)])
+def test_combine_expert_rows_matches_torch(dtype: torch.dtype, num_tokens: int, top_k: int, skipped: int) -> None:
+    """Expert-sorted rows back to tokens, weighted, slots in order; the ``skipped`` rows sorted last (pairs no
+    GEMM ran) hold NaN and must add zero (the last case: every pair skipped)."""
+    hidden = 1100  # two column blocks, the second partial
+    pairs = num_tokens * top_k
+    rows = random(pairs, hidden, seed=3, scale=2.0).to(dtype)
+    rows[pairs - skipped :] = float("nan")
+    order = torch.randperm(pairs, generator=torch.Generator().manual_seed(4))
+    weights = torch.rand(num_tokens, top_k, generator=torch.Generator().manual_seed(5))
+    owned = torch.tensor(pairs - skipped)
+    expected = moe.combine_expert_rows(rows, order, weights, owned)
+    actual = fused.combine_expert_rows(rows, order, weights, owned)
+    assert not expected.isnan().any()
+    torch.testing.assert_close(actual, expected, rtol=1e-6, atol=1e-6)
+    if skipped == pairs:
+        assert torch.equal(actual, torch.zeros_like(actual))
