@@ -1,20 +1,19 @@
-"""Expert-parallel MoE routing on one GPU, at one rank's share of M3 at TP=8: which route a step size should take.
+"""Expert-parallel MoE routing on one GPU, at one rank's share of M3 at TP=8, and the MoE combine kernel.
 
 M3's MoE: hidden 6144, 128 experts of 3072 intermediate rows, top-8.  With ``--expert-parallel`` at TP=8 a rank
 holds 16 whole experts and runs the pairs routed to them:
 
-* ``on_device``: every (token, slot) pair goes through the sort, other ranks' pairs take a skip id (no host sync:
-  what CUDA graphs capture), so the row traffic is the whole batch's;
-* ``compact``: this rank's pairs found on the host (one sync), row traffic in proportion to its share;
-* the peer layout, tensor-parallel experts (all 128 experts, 384 rows each): the same GEMM work per rank;
+* ``on_device`` (what ``ShardedMoE`` runs): every (token, slot) pair goes through the sort, other ranks' pairs
+  take a skip id (no host sync: what CUDA graphs capture), so the row traffic is the whole batch's;
+* ``compact``, the peer: this rank's pairs found on the host (one sync) and only they gathered, computed and
+  scattered back, row traffic in proportion to the rank's share (what the engine ran before device routing);
+* the other layout, tensor-parallel experts (all 128 experts, 384 rows each): the same GEMM work per rank;
 * the combine alone (each token's weighted sum of its experts' rows, ``[tokens x 8, 6144]`` bf16 rows): the
   fused kernel the MoE runs against its torch twin (unpermute, upcast, scale, sum).
 
 Router ids come from a random router on random inputs (near-uniform load: each rank owns ~1/8 of the pairs).
-Times are CUDA-event medians of the routed-experts call (``triton.testing.do_bench``; the compact route's host
-sync included); both routes' sums are checked against each other once per size.  ``ShardedMoE`` switches from
-``on_device`` to ``compact`` at ``COMPACT_ROUTING_MIN_TOKENS``; the table says whether that is where the
-crossover is.
+Times are CUDA-event medians (``triton.testing.do_bench``; the compact route's host sync included); each peer's
+output is checked against the measured path's once per size.
 
     python -m bench.moe_routing [--out DIR]
 """
@@ -28,9 +27,9 @@ from typing import Any
 import torch
 
 from bench.common import cuda_time_us, markdown_table, write_results
-from m3stack.engine.distributed.layers import COMPACT_ROUTING_MIN_TOKENS, ShardedMoE
+from m3stack.engine.distributed.layers import ShardedMoE
 from m3stack.engine.model.config import parse_config
-from m3stack.engine.model.moe import combine_expert_rows, combine_expert_rows_eager
+from m3stack.engine.model.moe import MoE, combine_expert_rows, combine_expert_rows_eager
 
 logger = logging.getLogger("bench.moe_routing")
 
@@ -56,7 +55,6 @@ COLUMNS = [
     "compact_us",
     "compact_over_on_device",
     "tp_experts_us",
-    "route_taken",
     "combine_us",
     "combine_eager_us",
     "eager_over_fused",
@@ -79,17 +77,30 @@ def rank_moe(expert_parallel: bool) -> ShardedMoE:
     return moe
 
 
+def compact_experts(moe: ShardedMoE, x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """The peer route: only this rank's pairs, found with ``nonzero`` (a host sync), through the single-GPU
+    MoE's expert path, scattered into ``[T, k, H]`` float32 and summed over slots."""
+    num_tokens, top_k = expert_ids.shape
+    local = (expert_ids >= moe.experts.start) & (expert_ids < moe.experts.stop)
+    tokens, slots = local.nonzero(as_tuple=True)
+    pairs = torch.zeros((num_tokens, top_k, x.shape[1]), dtype=torch.float32, device=x.device)
+    if tokens.numel():
+        local_ids = (expert_ids[tokens, slots] - moe.experts.start)[:, None]
+        pairs[tokens, slots] = MoE._experts(moe, x[tokens], local_ids, weights[tokens, slots][:, None])
+    return pairs.sum(dim=1)
+
+
 def measure(tokens: int, expert_parallel: ShardedMoE, tensor_parallel: ShardedMoE) -> dict[str, Any]:
     generator = torch.Generator(device="cuda").manual_seed(tokens)
     x = torch.randn(tokens, M3_MOE["hidden_size"], generator=generator, device="cuda", dtype=torch.bfloat16)
     with torch.inference_mode():
         expert_ids, weights = expert_parallel.router(x)
-        on_device = expert_parallel.experts_on_device(x, expert_ids, weights)
-        compact = expert_parallel.experts_compact(x, expert_ids, weights)
-        torch.testing.assert_close(on_device, compact, rtol=2e-2, atol=2e-2)
+        on_device = expert_parallel._experts(x, expert_ids, weights)
+        compact = compact_experts(expert_parallel, x, expert_ids, weights)
+        torch.testing.assert_close(compact, on_device, rtol=2e-2, atol=2e-2)
         times = {
-            "on_device_us": cuda_time_us(lambda: expert_parallel.experts_on_device(x, expert_ids, weights)),
-            "compact_us": cuda_time_us(lambda: expert_parallel.experts_compact(x, expert_ids, weights)),
+            "on_device_us": cuda_time_us(lambda: expert_parallel._experts(x, expert_ids, weights)),
+            "compact_us": cuda_time_us(lambda: compact_experts(expert_parallel, x, expert_ids, weights)),
             "tp_experts_us": cuda_time_us(lambda: tensor_parallel._experts(x, expert_ids, weights)),
         }
         rows = torch.randn(expert_ids.numel(), x.shape[1], generator=generator, device="cuda").to(torch.bfloat16)
@@ -99,7 +110,6 @@ def measure(tokens: int, expert_parallel: ShardedMoE, tensor_parallel: ShardedMo
         torch.testing.assert_close(fused, combine_expert_rows_eager(rows, order, weights, owned))
         times["combine_us"] = cuda_time_us(lambda: combine_expert_rows(rows, order, weights, owned))
         times["combine_eager_us"] = cuda_time_us(lambda: combine_expert_rows_eager(rows, order, weights, owned))
-    route = "compact" if tokens >= COMPACT_ROUTING_MIN_TOKENS else "on_device"
     row = {
         "tokens": tokens,
         **times,
@@ -107,7 +117,7 @@ def measure(tokens: int, expert_parallel: ShardedMoE, tensor_parallel: ShardedMo
         "eager_over_fused": times["combine_eager_us"] / times["combine_us"],
     }
     logger.info("%d tokens: %s", tokens, row)
-    return {**row, "route_taken": route}
+    return row
 
 
 def main() -> int:
@@ -117,8 +127,7 @@ def main() -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     expert_parallel, tensor_parallel = rank_moe(expert_parallel=True), rank_moe(expert_parallel=False)
     rows = [measure(tokens, expert_parallel, tensor_parallel) for tokens in TOKENS]
-    extra = {"shape": "M3 MoE at TP=8, rank 0: 16 whole experts (expert-parallel) or 128 x 384 rows (tensor-parallel)",
-             "compact_routing_min_tokens": COMPACT_ROUTING_MIN_TOKENS}  # fmt: skip
+    extra = {"shape": "M3 MoE at TP=8, rank 0: 16 whole experts (expert-parallel) or 128 x 384 rows (tensor-parallel)"}
     write_results("moe_routing", rows, extra, args.out)
     sys.stdout.write(markdown_table(rows, COLUMNS) + "\n")
     return 0

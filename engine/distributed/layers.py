@@ -38,19 +38,12 @@ class ReducedGatedMLP(GatedMLP):
         return out
 
 
-# Expert-parallel steps of at least this many tokens gather only this rank's pairs (one host sync per MoE layer);
-# smaller ones, and every CUDA-graph capture, route on the device.  Both give the same sums in the same order.
-# At a TP=8 rank's share of M3 on an H200 (bench/moe_routing.py) compact takes 1.09x on-device's time at 256
-# tokens, 0.92x at 512 and 0.49x at 8192.
-COMPACT_ROUTING_MIN_TOKENS = 512
-
-
 class ShardedMoE(MoE):
     """The replicated router, this rank's experts (or slice of every expert) and slice of the shared expert.
 
     The routed and shared partial sums are added before the one all-reduce of the layer.  With expert
     parallelism a rank runs only the (token, slot) pairs routed to its experts; the others contribute zero
-    (summed in slot order on every route, so the result does not depend on which rank holds which expert).
+    (slots summed in order, so the result does not depend on which rank holds which expert).
     """
 
     def __init__(
@@ -77,29 +70,13 @@ class ShardedMoE(MoE):
     def _experts(self, x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         if self.all_experts:
             return super()._experts(x, expert_ids, weights)
-        capturing = x.is_cuda and torch.cuda.is_current_stream_capturing()
-        if x.shape[0] >= COMPACT_ROUTING_MIN_TOKENS and not capturing:
-            return self.experts_compact(x, expert_ids, weights)
-        return self.experts_on_device(x, expert_ids, weights)
-
-    def experts_on_device(self, x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        """Every (token, slot) pair goes through the sort; those of other ranks' experts take the skip id, run no
-        GEMM and add zero.  No host sync (decode steps replay CUDA graphs), but the row traffic (the gather of the
-        inputs, the combine) is the whole batch's, not this rank's share."""
+        # Pairs routed to another rank's experts take the skip id: they sort after this rank's, run no GEMM and
+        # add zero.  All on the device: no host sync, so decode steps replay CUDA graphs.  Gathering only this
+        # rank's pairs instead (one sync) moves less memory but was 1.2-1.6x slower at every step size measured
+        # (bench/moe_routing.py): the combine reads the sorted rows in place either way.
         local = (expert_ids >= self.experts.start) & (expert_ids < self.experts.stop)
         local_ids = torch.where(local, expert_ids - self.experts.start, len(self.experts))
         return super()._experts(x, local_ids, weights)
-
-    def experts_compact(self, x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        """Only this rank's pairs, found on the host (one sync): row traffic in proportion to the rank's share."""
-        num_tokens, top_k = expert_ids.shape
-        local = (expert_ids >= self.experts.start) & (expert_ids < self.experts.stop)
-        tokens, slots = local.nonzero(as_tuple=True)
-        pairs = torch.zeros((num_tokens, top_k, x.shape[1]), dtype=torch.float32, device=x.device)
-        if tokens.numel():
-            local_ids = (expert_ids[tokens, slots] - self.experts.start)[:, None]
-            pairs[tokens, slots] = super()._experts(x[tokens], local_ids, weights[tokens, slots][:, None])
-        return pairs.sum(dim=1)
 
 
 def _moe_text(text: TextConfig, num_experts: int, expert_rows: int, shared_rows: int) -> TextConfig:

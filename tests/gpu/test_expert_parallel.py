@@ -1,19 +1,16 @@
 """Expert-parallel MoE on one GPU: every rank's bf16 shard of a MoE layer, captured in a CUDA graph (capture
 fails at any host sync), replayed on new tokens, adds up to the single-GPU layer's routed sum; one replay routes
-no pair to rank 1.  A capture of a step large enough for the compact route eagerly still routes on the device,
-and eagerly the compact route gives the same sums.  The same sums on CPU:
-tests/engine/distributed/test_expert_parallel_moe.py.
+no pair to rank 1.  The same sums on CPU: tests/engine/distributed/test_expert_parallel_moe.py.
 """
 
 import pytest
 import torch
 
-from m3stack.engine.distributed.layers import COMPACT_ROUTING_MIN_TOKENS
 from m3stack.engine.model.tiny import ensure_tiny_checkpoint
 from tests.engine.distributed.test_expert_parallel_moe import expert_parallel_moes
 
 
-@pytest.mark.parametrize("num_tokens", [24, COMPACT_ROUTING_MIN_TOKENS])
+@pytest.mark.parametrize("num_tokens", [24, 512])
 def test_expert_parallel_shards_replay_in_cuda_graphs(num_tokens):
     full, shards = expert_parallel_moes(ensure_tiny_checkpoint(), 2, "cuda", torch.bfloat16)
     hidden = full.gate_up_proj.shape[2]
@@ -24,9 +21,9 @@ def test_expert_parallel_shards_replay_in_cuda_graphs(num_tokens):
     with torch.inference_mode():
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):  # warm-up off the capture (of the route it takes): first calls allocate
+        with torch.cuda.stream(stream):  # warm-up off the capture: first calls allocate and pick kernels
             for shard in shards:
-                shard.experts_on_device(x, expert_ids, weights)
+                shard._experts(x, expert_ids, weights)
         torch.cuda.current_stream().wait_stream(stream)
         for shard in shards:
             graph = torch.cuda.CUDAGraph()
@@ -46,7 +43,5 @@ def test_expert_parallel_shards_replay_in_cuda_graphs(num_tokens):
                 graph.replay()
             expected = full._experts(x, expert_ids, weights)
             torch.testing.assert_close(outputs[0] + outputs[1], expected, rtol=2e-2, atol=2e-2, msg=routing)
-            eager = sum(shard._experts(x, expert_ids, weights) for shard in shards)
-            torch.testing.assert_close(eager, expected, rtol=2e-2, atol=2e-2, msg=f"{routing}, eager")
             if routing == "rank 0 only":
                 assert torch.equal(outputs[1], torch.zeros_like(outputs[1]))

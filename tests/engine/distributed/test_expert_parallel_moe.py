@@ -1,29 +1,24 @@
-"""Expert-parallel MoE: each rank runs only the (token, slot) pairs of its own experts, on one of two routes.
-
-* on the device: other ranks' pairs take a skip id, with no step whose shape depends on values (no host sync),
-  so decode steps can be CUDA-graphed;
-* compact: this rank's pairs gathered after one host sync, for large steps (row traffic in proportion to the
-  rank's share; bench/moe_routing.py measures the two).
+"""Expert-parallel MoE: each rank runs only the (token, slot) pairs of its own experts, routed on the device
+(other ranks' pairs take a skip id), with no step whose shape depends on values: no host sync, so decode steps
+can be CUDA-graphed.
 
 The ranks' routed partial sums (what the layer's all-reduce adds up) equal the single-GPU layer's routed sum on
-both routes and both expert paths (per-expert loop, grouped GEMM), including a step in which a rank owns no pair.
-The grouped GEMM leaves the rows past its last group unwritten; here they are poisoned with NaN, as stale memory
-would be on a GPU, and must not leak.  Fake tensors (shapes, no values: any value-dependent step raises) show
-which route a step takes.  tests/gpu/test_expert_parallel.py replays the on-device route in CUDA graphs.
+both expert paths (per-expert loop, grouped GEMM), including a step in which a rank owns no pair.  The grouped
+GEMM leaves the rows past its last group unwritten; here they are poisoned with NaN, as stale memory would be on
+a GPU, and must not leak.  Fake tensors (shapes, no values: any value-dependent step raises) show there is no
+sync.  tests/gpu/test_expert_parallel.py replays the shards in CUDA graphs.
 """
 
 import pytest
 import torch
-from torch._subclasses.fake_tensor import DynamicOutputShapeException, FakeTensorMode
+from torch._subclasses.fake_tensor import FakeTensorMode
 
-from m3stack.engine.distributed.layers import COMPACT_ROUTING_MIN_TOKENS, ShardedMoE
+from m3stack.engine.distributed.layers import ShardedMoE
 from m3stack.engine.distributed.model import load_sharded_model
 from m3stack.engine.distributed.sharding import plan_shards
 from m3stack.engine.model import moe as moe_module
 from m3stack.engine.model.loader import load_model
 from m3stack.engine.model.moe import MoE
-
-ROUTES = ["experts_on_device", "experts_compact"]
 
 
 def moe_layer(model) -> MoE:
@@ -58,49 +53,37 @@ def expert_path(request, monkeypatch) -> str:
     return request.param
 
 
-@pytest.mark.parametrize("route", ROUTES)
 @pytest.mark.parametrize("world", [2, 4])
-def test_ranks_partial_sums_add_up_to_the_single_gpu_layer(tiny_model_dir, expert_path, world, route):
+def test_ranks_partial_sums_add_up_to_the_single_gpu_layer(tiny_model_dir, expert_path, world):
     full, shards = expert_parallel_moes(tiny_model_dir, world, "cpu", torch.float32)
     x = torch.randn(37, full.gate_up_proj.shape[2], generator=torch.Generator().manual_seed(7))
     with torch.inference_mode():
         expert_ids, weights = full.router(x)
-        partials = [getattr(shard, route)(x, expert_ids, weights) for shard in shards]
+        partials = [shard._experts(x, expert_ids, weights) for shard in shards]
         expected = full._experts(x, expert_ids, weights)
     torch.testing.assert_close(torch.stack(partials).sum(dim=0), expected)
 
 
-@pytest.mark.parametrize("route", ROUTES)
-def test_a_rank_without_pairs_adds_zero(tiny_model_dir, expert_path, route):
+def test_a_rank_without_pairs_adds_zero(tiny_model_dir, expert_path):
     """One token routed to experts 0 and 1 only: rank 1 of 2 (experts 2 and 3) owns none of its pairs."""
     full, shards = expert_parallel_moes(tiny_model_dir, 2, "cpu", torch.float32)
     x = torch.randn(1, full.gate_up_proj.shape[2], generator=torch.Generator().manual_seed(3))
     expert_ids, weights = torch.tensor([[1, 0]]), torch.tensor([[0.75, 0.25]])
     with torch.inference_mode():
-        idle = getattr(shards[1], route)(x, expert_ids, weights)
-        busy = getattr(shards[0], route)(x, expert_ids, weights)
+        idle = shards[1]._experts(x, expert_ids, weights)
+        busy = shards[0]._experts(x, expert_ids, weights)
         expected = full._experts(x, expert_ids, weights)
     assert torch.equal(idle, torch.zeros_like(idle))
     torch.testing.assert_close(busy, expected)
 
 
-def _routed_on_fake_tensors(tiny_model_dir, num_tokens: int) -> torch.Size:
-    full, shards = expert_parallel_moes(tiny_model_dir, 2, "cpu", torch.bfloat16)
-    with torch.inference_mode(), FakeTensorMode(allow_non_fake_inputs=True):
-        x = torch.randn(num_tokens, full.gate_up_proj.shape[2], dtype=torch.bfloat16)
-        expert_ids, weights = full.router(x)
-        return shards[0]._experts(x, expert_ids, weights).shape
-
-
-def test_small_steps_route_on_the_device_without_value_dependent_steps(tiny_model_dir, monkeypatch):
+def test_routing_never_needs_device_values_on_the_host(tiny_model_dir, monkeypatch):
     """Fake tensors carry shapes, not values: a step whose output shape depends on values (``nonzero``,
     ``tolist``, ``item``; on a GPU a host sync, and an error inside CUDA-graph capture) raises under them."""
     monkeypatch.setattr(moe_module, "use_grouped_mm", lambda x: True)
-    shape = _routed_on_fake_tensors(tiny_model_dir, COMPACT_ROUTING_MIN_TOKENS - 1)
-    assert tuple(shape) == (COMPACT_ROUTING_MIN_TOKENS - 1, 64)
-
-
-def test_large_steps_take_the_compact_route(tiny_model_dir, monkeypatch):
-    monkeypatch.setattr(moe_module, "use_grouped_mm", lambda x: True)
-    with pytest.raises(DynamicOutputShapeException):  # its nonzero: the one host sync of the compact route
-        _routed_on_fake_tensors(tiny_model_dir, COMPACT_ROUTING_MIN_TOKENS)
+    full, shards = expert_parallel_moes(tiny_model_dir, 2, "cpu", torch.bfloat16)
+    with torch.inference_mode(), FakeTensorMode(allow_non_fake_inputs=True):
+        x = torch.randn(600, full.gate_up_proj.shape[2], dtype=torch.bfloat16)
+        expert_ids, weights = full.router(x)
+        partials = [shard._experts(x, expert_ids, weights) for shard in shards]
+    assert [tuple(p.shape) for p in partials] == [(600, full.gate_up_proj.shape[2])] * 2
