@@ -28,7 +28,7 @@ import torch.distributed as dist
 from m3stack.engine import kernel_compiles
 from m3stack.engine.attention.dense_only import dense_kv_spec
 from m3stack.engine.distributed.config import MULTICAST_OFF_ENV
-from m3stack.engine.distributed.messages import Channel, LeaderModel, serve_steps
+from m3stack.engine.distributed.messages import Channel, LeaderModel, LostRankError, serve_steps
 from m3stack.engine.distributed.model import ShardedM3, load_sharded_model
 from m3stack.engine.distributed.sharding import plan_shards
 from m3stack.engine.kv_cache.tensors import KVCacheSpec, allocate_kv_cache
@@ -289,7 +289,11 @@ def run_worker(config: EngineConfig, rank: int, local_rank: int) -> None:
         caches = allocate_kv_cache(spec, state.num_blocks, state.device)
     backend = make_attention_backend(caches, state.model.local_config(), state.device, mode=config.attention,
                                      offload=offload, shared_page_scan=config.msa_shared_page_scan)  # fmt: skip
-    serve_steps(state.model, backend, state.channel, offload)
+    try:
+        serve_steps(state.model, backend, state.channel, offload)
+    except LostRankError as exc:
+        logger.critical("rank %d lost the engine's other ranks while waiting for a step (%s); exiting", rank, exc)
+        raise SystemExit(LOST_RANK_EXIT_CODE) from None
     dist.destroy_process_group()
 
 

@@ -85,10 +85,17 @@ def send_message(channel: Channel, values: list[int], host: torch.Tensor | None 
         dist.broadcast(host.contiguous(), src=0, group=channel.control)
 
 
+class LostRankError(RuntimeError):
+    """The control group broke while a worker waited for rank 0's next message: a rank of the engine is gone."""
+
+
 def receive_message(channel: Channel) -> Message:
     """A worker: the next message from rank 0 (blocks until it comes)."""
     frame = torch.empty(HEADER_LEN + 1 + INLINE_INTS, dtype=torch.int64)
-    dist.broadcast(frame, src=0, group=channel.control)
+    try:
+        dist.broadcast(frame, src=0, group=channel.control)
+    except RuntimeError as exc:  # gloo: "Connection closed by peer", the other side's process ended
+        raise LostRankError(str(exc)) from exc
     count = int(frame[HEADER_LEN])
     if count <= INLINE_INTS:
         host = frame[HEADER_LEN + 1 : HEADER_LEN + 1 + count]
