@@ -53,8 +53,8 @@ class MoE(nn.Module):
     def _experts(self, x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """Weighted sum of each token's chosen experts, float32 ``[T, H]``.
 
-        Token-expert pairs are sorted by expert so each expert runs one GEMM over its tokens, then put back in
-        (token, slot) order and summed per token (no atomics: the same tokens give the same sums in any batch).
+        Token-expert pairs are sorted by expert so each expert runs one GEMM over its tokens; each token then sums
+        its rows, weighted, in slot order (no atomics: the same tokens give the same sums in any batch).
         An id of ``num_experts`` marks a pair this module does not run (another rank's expert under expert
         parallelism): such pairs sort after every expert's rows, no GEMM covers them, and they add exactly zero.
         """
