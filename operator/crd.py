@@ -592,6 +592,8 @@ PRINTER_COLUMNS: list[dict[str, Any]] = [
     {"name": "Desired", "type": "integer", "jsonPath": ".spec.engine.replicas"},
     {"name": "Gateways", "type": "integer", "jsonPath": ".status.gateway.readyReplicas"},
     {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},
+    {"name": "TP", "type": "integer", "priority": 1, "jsonPath": ".spec.engine.parallelism.tensor"},
+    {"name": "Nodes", "type": "integer", "priority": 1, "jsonPath": ".spec.engine.multiNode.size"},
     {"name": "Reason", "type": "string", "priority": 1, "jsonPath": '.status.conditions[?(@.type=="Ready")].reason'},
     {"name": "URL", "type": "string", "priority": 1, "jsonPath": ".status.url"},
 ]
