@@ -149,6 +149,9 @@ def test_a_multi_node_engine_is_a_leader_worker_set_whose_groups_make_the_status
              timeout_s=180, detail=statuses)  # fmt: skip
     assert kube.condition("mn", "EnginesReady")["status"] == "True"
     kube.wait_ready("mn")
+    header, row = (line.split() for line in kube("get", "m3d", "mn", "-o", "wide").splitlines()[:2])
+    columns = dict(zip(header, row, strict=False))  # trailing empty columns print nothing
+    assert (columns["ENGINES"], columns["TP"], columns["NODES"]) == ("2", "4", "2"), columns
     kube("delete", "m3deployment", "mn", "--wait=false")  # its GPUs go back to the fake nodes
 
 
