@@ -1,16 +1,17 @@
-"""A tensor-parallel rank's GPU kernels, on one GPU: TP=2 with both ranks on the same device.
+"""A tensor-parallel rank's GPU kernels, on one GPU: TP=2 and TP=4 with every rank on the same device.
 
 NCCL refuses two ranks on one device, so the ranks' default group runs over gloo (which moves CUDA tensors
 through the host) and decode runs eagerly; tests/gpu/test_multi_gpu.py covers NCCL and CUDA graphs on two GPUs.
 What this file checks on any single GPU: the engine's rank-0 / worker machinery (``LeaderModel``,
-``serve_steps``) driving the Triton MSA kernels and FlashInfer at a TP=2 rank's head counts at M3 attention dims
-(32 query, 2 KV and 2 index heads per rank: the shape at which the decode index merge once faulted), in bf16, with
-both MoE layouts.
+``serve_steps``) driving the Triton MSA kernels and FlashInfer at a rank's head counts at M3 attention dims, in
+bf16: TP=2 (32 query, 2 KV and 2 index heads per rank: the shape at which the decode index merge once faulted)
+with tensor-parallel experts, TP=4 (16 query heads and a single KV and index head per rank, as at TP=8) with
+expert parallelism.
 
-Teacher-forced: TP=2 replays TP=1's greedy continuation of a prompt longer than the MSA selection window.
-Against a float32 single-GPU run on the plain-PyTorch attention (the same tokens), TP=2's per-token logit errors
-are distributed like TP=1's (median and 90th percentile within 1.5x + 5e-3), and TP=2's argmax is TP=1's token
-at every step where TP=1's best two tokens are not within bf16 noise (0.05 in logprob).
+Teacher-forced: the ranks replay TP=1's greedy continuation of a prompt longer than the MSA selection window.
+Against a float32 single-GPU run on the plain-PyTorch attention (the same tokens), the parallel run's per-token
+logit errors are distributed like TP=1's (median and 90th percentile within 1.5x + 5e-3), and its argmax is
+TP=1's token at every step where TP=1's best two tokens are not within bf16 noise (0.05 in logprob).
 """
 
 import multiprocessing
@@ -55,9 +56,9 @@ def _gpu_backend(caches, model_config):
     return make_attention_backend(caches, model_config, torch.device("cuda:0"), mode="msa")
 
 
-def _worker(config: EngineConfig) -> None:
-    """Rank 1, on the same GPU as rank 0 (local rank 0), over gloo."""
-    state = start_rank(config, 1, 0, collectives="gloo")
+def _worker(config: EngineConfig, rank: int) -> None:
+    """A worker rank, on the same GPU as rank 0 (local rank 0), over gloo."""
+    state = start_rank(config, rank, 0, collectives="gloo")
     caches = allocate_kv_cache(state.model.kv_cache_spec(), NUM_PAGES, state.device)
     serve_steps(state.model, _gpu_backend(caches, state.model.local_config()), state.channel)
     dist.destroy_process_group()
@@ -77,8 +78,10 @@ def _decode(runner: PagedRunner, prompt: torch.Tensor, forced: list[int] | None)
     return torch.cat(rows), tokens
 
 
-@pytest.mark.parametrize("expert_parallel", [False, True], ids=["tensor-parallel-experts", "expert-parallel"])
-def test_two_ranks_on_one_gpu_follow_one_rank(checkpoint, expert_parallel):
+@pytest.mark.parametrize(
+    ("ranks", "expert_parallel"), [(2, False), (4, True)], ids=["2-tensor-parallel-experts", "4-expert-parallel"]
+)
+def test_ranks_on_one_gpu_follow_one_rank(checkpoint, ranks, expert_parallel):
     prompt = torch.randint(0, VOCAB - 2, (PROMPT_TOKENS,), generator=torch.Generator().manual_seed(4))
     single, m3 = load_model(checkpoint, "cuda:0", torch.bfloat16)
     one_rank = PagedRunner(single, NUM_PAGES, "cuda:0", backend_factory=lambda caches: _gpu_backend(caches, m3))
@@ -89,23 +92,26 @@ def test_two_ranks_on_one_gpu_follow_one_rank(checkpoint, expert_parallel):
     del exact
     torch.cuda.empty_cache()
 
-    parallel = ParallelConfig(tensor_parallel=2, expert_parallel=expert_parallel, master_port=free_port())
+    parallel = ParallelConfig(tensor_parallel=ranks, expert_parallel=expert_parallel, master_port=free_port())
     config = EngineConfig(model=str(checkpoint), device="cuda", dtype="bfloat16", num_kv_blocks=NUM_PAGES - 1,
                           parallel=parallel)  # fmt: skip
-    worker = multiprocessing.get_context("spawn").Process(target=_worker, args=(config,), daemon=True)
-    worker.start()
+    context = multiprocessing.get_context("spawn")
+    workers = [context.Process(target=_worker, args=(config, rank), daemon=True) for rank in range(1, ranks)]
+    for worker in workers:
+        worker.start()
     state = start_rank(config, 0, 0, collectives="gloo")
     leader = LeaderModel(state.model, state.channel)
     local = state.model.local_config()
     try:
         recorded = lambda caches: RecordingBackend(_gpu_backend(caches, local))  # noqa: E731
-        two_ranks = PagedRunner(leader, NUM_PAGES, "cuda:0", backend_factory=recorded)
-        logits2, _ = _decode(two_ranks, prompt, forced=tokens)
+        parallel_run = PagedRunner(leader, NUM_PAGES, "cuda:0", backend_factory=recorded)
+        logits2, _ = _decode(parallel_run, prompt, forced=tokens)
     finally:
         leader.stop_workers()
         leave_process_group(60)
-        worker.join(60)
-    assert worker.exitcode == 0
+        for worker in workers:
+            worker.join(60)
+    assert [worker.exitcode for worker in workers] == [0] * (ranks - 1)
 
     errors1, errors2 = token_errors(logits1, reference), token_errors(logits2, reference)
     for quantile in (0.5, 0.9):
