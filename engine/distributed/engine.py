@@ -17,6 +17,7 @@ import multiprocessing
 import multiprocessing.connection
 import multiprocessing.process
 import os
+import signal
 import socket
 import threading
 import time
@@ -275,6 +276,9 @@ def run_worker(config: EngineConfig, rank: int, local_rank: int) -> None:
 
         configure_logging()
         _watch_parent()
+        # A terminal's Ctrl-C reaches every process of its group: the node's first rank drains, then stops the
+        # others itself (STOP), so they must outlive the signal.
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
     state = start_rank(config, rank, local_rank)
     spec = rank_kv_spec(config, state.model, state.dtype)
     text = state.model.local_config().text

@@ -18,6 +18,7 @@ def start_engine_process(*flags: str) -> subprocess.Popen:
         stderr=subprocess.STDOUT,
         text=True,
         env={**os.environ, "OMP_NUM_THREADS": "1"},
+        start_new_session=True,  # its own process group: a test may signal the group as a terminal would
     )
 
 

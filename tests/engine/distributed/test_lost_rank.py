@@ -51,3 +51,31 @@ def test_a_killed_rank_ends_the_engine_with_a_message(tiny_model_dir):
         if process.poll() is None:
             process.kill()
             process.wait()
+
+
+def test_ctrl_c_to_the_whole_group_drains_and_stops_cleanly(tiny_model_dir):
+    """A terminal's Ctrl-C signals every process of the foreground group, the spawned rank too, here mid-request:
+    the rank must leave the stop to rank 0, which drains (the request ends as aborted by the drain) and exits 0,
+    not take the signal, die, and make rank 0 exit as if it had crashed."""
+    port, metrics_port = free_port(LOOPBACK), free_port(LOOPBACK)
+    process = start_engine_process(
+        "--model", str(tiny_model_dir), "--port", str(port), "--metrics-port", str(metrics_port),
+        "--tensor-parallel", "2", "--max-model-len", "600", "--kv-cache-gb", "0.05", "--drain-timeout", "1",
+    )  # fmt: skip
+    try:
+        wait_engine_loaded(process, metrics_port)
+        with grpc.insecure_channel(f"{LOOPBACK}:{port}") as channel:
+            sampling = pb.SamplingParams(temperature=0.0, max_new_tokens=590, ignore_eos=True)
+            request = pb.GenerateRequest(request_id="long", input_ids=[4, 5], sampling=sampling)
+            call = engine_pb2_grpc.EngineStub(channel).Generate(request)
+            next(call)  # both ranks are stepping
+            os.killpg(process.pid, signal.SIGINT)
+            tail = list(call)
+        assert tail[-1].complete.finish_reason == pb.FINISH_REASON_ABORT
+        assert process.wait(EXIT_WITHIN_S) == 0
+        log = process.stdout.read()
+        assert "engine stopped" in log and "exited with code" not in log, log[-2000:]
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
