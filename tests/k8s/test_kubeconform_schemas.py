@@ -56,7 +56,7 @@ def test_kubeconform_checks_builtin_kinds_and_crds_offline(
     crd = gadget_crd(group)
     k8s_cluster.kubectl("create", "-f", "-", input=json.dumps(crd))
     try:
-        k8s_cluster.kubectl("wait", "--for=condition=Established", f"crd/{crd['metadata']['name']}", "--timeout=60s")
+        k8s_cluster.wait_crd_established(crd["metadata"]["name"])
         schemas = tmp_path / "schemas"
         assert write_schemas(k8s_cluster, schemas, wait_for=[f"{group}/v1"]) > 50
 

@@ -123,6 +123,17 @@ class ControlPlane:
             raise ControlPlaneError(f"kubectl {' '.join(args)} failed ({result.returncode}): {result.stderr.strip()}")
         return result.stdout
 
+    def wait_crd_established(self, name: str, timeout_s: float = 60.0) -> None:
+        """Until the CRD ``name`` serves its kind.  Not ``kubectl wait --for=condition=Established``: that fails at
+        once when it reads the CRD before the API server has written any condition (seen in CI)."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            conditions = json.loads(self.kubectl("get", "crd", name, "-o", "json")).get("status", {}).get("conditions")
+            if any(c["type"] == "Established" and c["status"] == "True" for c in conditions or []):
+                return
+            time.sleep(0.2)
+        raise ControlPlaneError(f"CRD {name} was not established within {timeout_s:.0f}s")
+
     def service_account_kubeconfig(self, namespace: str, name: str, path: Path, duration: str = "1h") -> Path:
         """Writes a kubeconfig that authenticates as ServiceAccount namespace/name (a TokenRequest token).
 

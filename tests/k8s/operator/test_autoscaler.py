@@ -292,7 +292,7 @@ def test_a_deployment_without_metrics_holds_its_engines(operator, kube: Kube, k8
 def keda_crd(k8s_cluster) -> Iterator[None]:
     """KEDA's ScaledObject CRD (no KEDA controller: nothing acts on ScaledObjects here)."""
     k8s_cluster.kubectl("apply", "-f", "-", input=json.dumps(scaled_object_crd()))
-    k8s_cluster.kubectl("wait", "--for=condition=Established", "crd/scaledobjects.keda.sh", "--timeout=60s")
+    k8s_cluster.wait_crd_established("scaledobjects.keda.sh")
     yield
     k8s_cluster.kubectl("delete", "crd", "scaledobjects.keda.sh", "--wait=false")
 

@@ -54,12 +54,7 @@ def lws_crd(k8s_cluster, tmp_path_factory) -> Iterator[LwsController | None]:
                            text=True, check=True, timeout=600)  # fmt: skip
     folder = build.stdout.strip()
     k8s_cluster.kubectl("apply", "--server-side", "--force-conflicts", "-f", f"{folder}/share/crds/")
-
-    def established() -> bool:
-        conditions = json.loads(k8s_cluster.kubectl("get", "crd", LWS, "-o", "json")).get("status", {})
-        return any(c["type"] == "Established" and c["status"] == "True" for c in conditions.get("conditions") or [])
-
-    wait_for("the LeaderWorkerSet CRD to be established", established)
+    k8s_cluster.wait_crd_established(LWS)
     binary = Path(folder) / "bin" / "lws-controller"
     if not os.access(binary, os.X_OK):
         yield None
