@@ -3,6 +3,7 @@
 import datetime
 import json
 import logging
+import os
 import platform
 import shlex
 import sys
@@ -46,6 +47,8 @@ def write_results(
         "device": device_line(),
         "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),
         "command": " ".join(shlex.quote(arg) for arg in [Path(sys.executable).name, *sys.argv]),
+        # The GPU machine gets a copy of the tree without .git: the call passes the commit it sent.
+        "commit": os.environ.get("M3STACK_COMMIT", "unknown"),
         "rows": rows,
         **(extra or {}),
     }

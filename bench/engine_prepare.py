@@ -50,12 +50,12 @@ class _StubModel:
 
 def _build_core(concurrency: int, max_len: int, device: torch.device) -> Any:
     from m3stack.engine.attention.gpu import GpuAttentionBackend
+    from m3stack.engine.kv_cache.manager import KVCacheManager
     from m3stack.engine.kv_cache.tensors import KVCacheSpec, allocate_kv_cache
-    from m3stack.engine.runtime.config import ModelInfo
     from m3stack.engine.runtime.cuda_graphs import DecodeGraphs
     from m3stack.engine.runtime.encoder_cache import EncoderCache
     from m3stack.engine.runtime.engine_core import EngineCore
-    from m3stack.engine.runtime.kv_cache_manager import KVCacheManager
+    from m3stack.engine.runtime.model_info import ModelInfo
     from m3stack.engine.runtime.runner import ModelRunner
     from m3stack.engine.runtime.scheduler import Scheduler, SchedulerConfig
 

@@ -33,10 +33,10 @@ from typing import Any
 import torch
 
 from bench.common import markdown_table, write_results
+from m3stack.engine.assembly.config import EngineConfig
+from m3stack.engine.assembly.core import assemble_engine_core
 from m3stack.engine.model.config import parse_config
 from m3stack.engine.model.model import M3ForServing
-from m3stack.engine.runtime.builder import assemble_engine_core
-from m3stack.engine.runtime.config import EngineConfig
 from m3stack.engine.runtime.engine_core import EngineCore
 from m3stack.engine.runtime.request import SamplingParams
 from m3stack.engine.runtime.validation import build_request

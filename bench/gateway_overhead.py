@@ -37,9 +37,9 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from bench.common import write_results
-from m3stack.engine.proto import engine_pb2, engine_pb2_grpc
 from m3stack.gateway.cli import KEEP_ALIVE_TIMEOUT_S
-from m3stack.gateway.engines.shared_stream import SharedStream
+from m3stack.gateway.engine_client.shared_stream import SharedStream
+from m3stack.proto import engine_pb2, engine_pb2_grpc
 
 logger = logging.getLogger("bench.gateway_overhead")
 

@@ -71,6 +71,11 @@ def stages(results_dir: Path, selected: set[str] | None) -> list[Stage]:
         Stage("msa_prefill", bench("msa_prefill", "--sweep-steps", "merge", "--contexts", "32768,131072",
                                    "--budget-s", "150"), 180),
         Stage("engine_step", bench("engine_step", "--steps", "50"), 90),
+        # Sampling controls under CUDA graphs (#28): the captured masks/penalties and the engine with mixed batches;
+        # then the decode step with every request under a JSON schema against the free step.  Grammars need a
+        # tokenizer of M3's vocabulary size: the o200k_base stand-in (bench/grammar_masks.py), carried in .gpu/.
+        pytest_stage("sampling_controls", ["test_sampling_controls.py"], 150),
+        Stage("grammar_step", bench("grammar_step", "--vocab", ".gpu/o200k_base.tiktoken.gz"), 150),
         # The full sweep, as four runs that bench.serving.merge joins into serving.json (a device call is capped at
         # 10 minutes).  a, b and d at the spec's 512 output tokens; on a fresh machine the first MSA config pays the
         # kernels' compilation (~35 s engine build, ~90 s warm-up), so a gets two shares.
@@ -116,6 +121,28 @@ def stages(results_dir: Path, selected: set[str] | None) -> list[Stage]:
         # over a shared prefix).
         Stage("msa_decode_targets", bench("msa_decode", "--contexts", "131072,1048576", "--batches", "1,8",
                                           "--sweep-cases", "1048576x1,131072x8"), 300),
+        # Issue 30 in one device call: the decode GPU tests of what changed (PDL, the attention merging the scan's
+        # lists, the fp8 k-index with scales), then both MSA benchmarks with the peer's kernels (.peer carried,
+        # bench.msa_peer) in the same process, no sweeps.
+        Stage("msa_kernels_tests", [[python, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rfE", "--tb=short",
+                                     "--timeout=100", "tests/gpu/test_msa_decode.py", "-k",
+                                     "merges_the_scan or backend_decode_layers or scaled_fp8 or cuda_graph_replays "
+                                     "or test_sparse_decode_attention or decode_graph_replays"]], 140),
+        Stage("msa_decode_peer", bench("msa_decode", "--contexts", "131072,524288,1048576", "--batches", "1,8",
+                                       "--no-sweep"), 240),
+        Stage("msa_prefill_peer", bench("msa_prefill", "--no-sweep", "--contexts", "8192,32768,131072",
+                                        "--budget-s", "140"), 170),
+        # Issue 30 item 5, not run yet: the 60K-prefix workload at 32 and 64 requests with the optimized engine, the
+        # dense one and the optimized one over fp8 caches (config e) in the same run.
+        Stage("serving_abe_fp8", bench("serving", "--name", "serving_abe_fp8", "--budget-s", "480", "--configs",
+                                       "a,b,e", "--concurrency", "32,64", "--output-tokens", "512",
+                                       "--requests-per-point", "2", "--long-context", "0"), 500),
+        # Issue 29: M3's MoE layer with MXFP8 weights (the fused kernel and the dequantize + grouped GEMM path)
+        # against BF16 in the same run at the targets' sizes, alone on the GPU, in a minute (sizes past the budget
+        # are left out, the table still prints); then the kernels', the MXFP8 model's and the engine's GPU tests.
+        Stage("mxfp8_moe", bench("mxfp8_moe", "--budget-s", "30", "--tokens", "1,4,16,64,512,2048,8192",
+                                 "--rank-tokens", "8,8192"), 60),
+        pytest_stage("mxfp8_tests", ["test_mxfp8.py"], 200),
         # 2 GPUs (kind nvidia-h200-x2): one process per test, one after the other, so a hung NCCL group cannot
         # take the next test down with it.
         # The first bf16 test pays FlashInfer's JIT compilation of the M3-dims kernels (~100 s on a fresh machine).

@@ -47,7 +47,7 @@ class RequestRecord:
     index: int
     kind: str  # "text" or "image"
     token_ids: list[int]  # as streamed, from the logprobs of each chunk
-    text: str  # the streamed content, concatenated
+    text: str  # the streamed text, concatenated: reasoning_content (thinking is on by default), then content
     completion_tokens: int  # what the final usage chunk says
     finish_reason: str | None
     ttft_s: float
@@ -93,9 +93,11 @@ async def one_request(client: openai.AsyncOpenAI, model: str, index: int, max_to
             if chunk.usage is not None:
                 usage = chunk.usage.completion_tokens
             for choice in chunk.choices:
-                if first is None and (choice.delta.content or choice.logprobs):
+                # The openai client keeps fields outside OpenAI's schema, like reasoning_content, as extras.
+                reasoning = (choice.delta.model_extra or {}).get("reasoning_content") or ""
+                if first is None and (choice.delta.content or reasoning or choice.logprobs):
                     first = time.perf_counter()
-                text += choice.delta.content or ""
+                text += reasoning + (choice.delta.content or "")
                 if choice.logprobs and choice.logprobs.content:
                     ids += [int(entry.token.removeprefix("token_id:")) for entry in choice.logprobs.content]
                 finish = choice.finish_reason or finish

@@ -23,7 +23,13 @@ Rows (``rows`` in the JSON, default ``DecodeTuning``):
 * ``total_us``: ``GpuAttentionBackend.sparse`` (store + index + attention: the whole MSA layer);
   ``total_fi_us``: the same with FlashInfer attention and a separate store;
 * ``dense_us``: ``GpuAttentionBackend.dense`` (store + FlashInfer paged decode); ``speedup``;
-* ``index_fp8_us``, ``total_fp8_us``, ``speedup_fp8``: the same layer over an fp8 (e4m3) k-index.
+* ``index_fp8_us``, ``total_fp8_us``, ``speedup_fp8``: the same layer over the engine's fp8 (e4m3, a scale per token)
+  k-index; ``fp8_selection_overlap``: the share of selected blocks it keeps against the bf16 index;
+* ``default_us``, ``no_pdl_us``, ``merge_launch_us``, ``select_us`` (and ``*_fp8_us``): the layer with each way of
+  running what follows the scan (``VARIANTS``), ``best_*`` the fastest;
+* ``peer_us``: the reference stack's decode layer (index + attention, no store) over the same inputs
+  (``bench.msa_peer``, absent without ``.peer``), ``*_vs_peer`` = peer / ours; up to 128K its selection and output
+  against ours (``peer_heads_same_selection``, ``peer_max_abs_diff``).
 
 Then, at the sweep cases (1M and 128K, batch 1 and 8): scan programs per SM, scan launch configs,
 fp8 scan configs, the merge fused or in its own launch, the split-major launch order and shared-page scans (at
@@ -47,10 +53,11 @@ from typing import Any
 
 import torch
 
+from bench import msa_peer
 from bench.common import markdown_table, write_results
 from m3stack.engine.attention.gpu import GpuAttentionBackend
-from m3stack.engine.attention.metadata import AttentionMetadata
-from m3stack.engine.kv_cache.tensors import KVCacheSpec, LayerKVCache, allocate_kv_cache
+from m3stack.engine.kv_cache.metadata import AttentionMetadata
+from m3stack.engine.kv_cache.tensors import KVCacheSpec, LayerKVCache, allocate_kv_cache, fp8_index_from
 from m3stack.engine.msa import reference
 from m3stack.engine.msa.decode_attention import (
     FlashInferSparseDecode,
@@ -58,6 +65,7 @@ from m3stack.engine.msa.decode_attention import (
     flashinfer_available,
     sparse_decode_attention,
 )
+from m3stack.engine.msa.decode_fused import select_and_attend
 from m3stack.engine.msa.decode_index import ScanConfig, decode_index_topk, merge_selection, scan_index_pages
 from m3stack.engine.msa.decode_plan import SparseDecodePlan, SparseDecodeShape, plan_sparse_decode
 from m3stack.engine.msa.decode_tuning import DecodeTuning
@@ -112,6 +120,19 @@ ATTENTION_CONFIGS = [
     TritonDecodeConfig(pages_per_split=4, num_stages=2),
     TritonDecodeConfig(fused_combine=False),
 ]
+# What follows the scan, timed as whole layers (``measure_variants``): the default (the attention merges the lists
+# from 2 requests up), without programmatic dependent launch, always the merge's own launch, always the attention.
+VARIANTS = {
+    "default": DecodeTuning(),
+    "no_pdl": DecodeTuning(scan=ScanConfig(pdl=False), fp8_scan=ScanConfig(num_stages=2, pdl=False),
+                           triton_attention=TritonDecodeConfig(pdl=False)),
+    "merge_launch": DecodeTuning(select_in_attention_min_requests=None),
+    "select": DecodeTuning(select_in_attention_min_requests=1),
+}  # fmt: skip
+PEER_COLUMNS = ["context", "batch", "default_us", "no_pdl_us", "merge_launch_us", "select_us", "peer_us", "dense_us",
+                "best_variant", "best_vs_peer", "best_speedup", "default_fp8_us", "select_fp8_us", "best_fp8_us",
+                "best_fp8_vs_peer", "best_speedup_fp8", "fp8_selection_overlap", "peer_heads_same_selection",
+                "peer_max_abs_diff"]  # fmt: skip
 COLUMNS = ["context", "batch", "index_us", "index_fused_us", "scan_us", "merge_us", "attn_us", "attn_fi_us",
            "total_us", "total_fi_us", "dense_us", "speedup", "index_scan_tbps", "index_fp8_us", "total_fp8_us",
            "speedup_fp8"]  # fmt: skip
@@ -200,9 +221,10 @@ class Case:
         return self.q, self.k_new, self.k_new, self.index_q, self.index_k_new
 
     def fp8(self) -> list[LayerKVCache]:
-        """The same caches with an fp8 (e4m3) k-index (made once)."""
+        """The same caches with the engine's fp8 k-index (``--index-dtype fp8_e4m3``: e4m3 keys with a float32 scale
+        per token, in raw pages holding both), made once."""
         if self.fp8_caches is None:
-            self.fp8_caches = [LayerKVCache(c.key, c.value, c.index_key.to(torch.float8_e4m3fn)) for c in self.caches]
+            self.fp8_caches = [LayerKVCache(c.key, c.value, *fp8_index_from(c.index_key)) for c in self.caches]
         return self.fp8_caches
 
 
@@ -274,9 +296,10 @@ def time_dense(case: Case, use_flashinfer: bool) -> Timing:
 
 def time_index(case: Case, plan: SparseDecodePlan, config: ScanConfig, fp8: bool = False,
                metadata: AttentionMetadata | None = None) -> float:  # fmt: skip
-    keys = [c.index_key for c in (case.fp8() if fp8 else case.caches)]
+    caches = case.fp8() if fp8 else case.caches
     metadata = metadata or case.metadata
-    return time_layers(lambda layer: decode_index_topk(case.index_q, keys[layer], metadata, plan, config),
+    return time_layers(lambda layer: decode_index_topk(case.index_q, caches[layer].index_key, metadata, plan, config,
+                                                       index_key_scale=caches[layer].index_key_scale),
                        case.layers).us  # fmt: skip
 
 
@@ -325,7 +348,7 @@ def check_request0(case: Case, selected: torch.Tensor, out: torch.Tensor) -> dic
     return {"heads_same_selection": sum(same), "max_abs_err": float((out[:1].float() - attended).abs().max())}
 
 
-def measure(case: Case, use_flashinfer: bool) -> dict[str, Any]:
+def measure(case: Case, use_flashinfer: bool, peer: msa_peer.Peer | None = None) -> dict[str, Any]:
     """The default layer, its parts, the FlashInfer variant, fp8 and the dense peer (the ``rows``)."""
     device = case.q.device
     metadata, last = case.metadata, case.layers - 1
@@ -373,7 +396,100 @@ def measure(case: Case, use_flashinfer: bool) -> dict[str, Any]:
         row["timing"] = f"total {total.method}, dense {dense.method}"
     if case.context <= 131072:
         row.update(check_request0(case, selected, out))
+    measure_variants(case, row, use_flashinfer)
+    if peer is not None:
+        measure_peer(case, peer, row, selected, out)
     return row
+
+
+def measure_variants(case: Case, row: dict[str, Any], use_flashinfer: bool) -> None:
+    """The layer with each way of running what follows the scan, bf16 and fp8 k-index (``VARIANTS``), and the
+    fastest of them (``best_us``, ``best_fp8_us``, ``best_variant``)."""
+    best: dict[bool, tuple[float, str]] = {}
+    for name, tuning in VARIANTS.items():
+        for fp8 in (False, True):
+            key = f"{name}_fp8_us" if fp8 else f"{name}_us"
+            try:
+                row[key] = time_layer(case, tuning, use_flashinfer, fp8=fp8).us
+            except Exception as exc:
+                logger.exception("variant %s failed", key)
+                row.setdefault("errors", {})[key] = f"{type(exc).__name__}: {exc}"[:300]
+                continue
+            if row[key] < best.get(fp8, (math.inf, ""))[0]:
+                best[fp8] = (row[key], name)
+    for fp8, suffix in ((False, ""), (True, "_fp8")):
+        if fp8 in best:
+            row[f"best{suffix}_us"], row[f"best{suffix}_variant"] = best[fp8]
+            row[f"best_speedup{suffix}"] = row["dense_us"] / best[fp8][0]
+    guarded(row, "fp8_selection", lambda: fp8_selection_overlap(case, row))
+    if case.context <= 131072:
+        guarded(row, "select_check", lambda: check_select_in_attention(case, row))
+
+
+def guarded(row: dict[str, Any], name: str, check: Callable[[], None]) -> None:
+    """Run a row's extra check; a failure is logged into the row, never loses the row's timings."""
+    try:
+        check()
+    except Exception as exc:
+        logger.exception("%s failed", name)
+        row.setdefault("errors", {})[name] = f"{type(exc).__name__}: {exc}"[:300]
+
+
+def fp8_selection_overlap(case: Case, row: dict[str, Any]) -> None:
+    """The fp8 k-index's selections against the bf16 one's over the same keys (every request and head)."""
+    last, fp8_last = case.caches[-1], case.fp8()[-1]
+    plan = plan_sparse_decode(case.metadata, M3, case.q.device)
+    bf16_selected = decode_index_topk(case.index_q, last.index_key, case.metadata, plan).clone()
+    fp8_selected = decode_index_topk(case.index_q, fp8_last.index_key, case.metadata, plan,
+                                     index_key_scale=fp8_last.index_key_scale)  # fmt: skip
+    shared, held = reference.selection_overlap(bf16_selected, fp8_selected)
+    row["fp8_selection_overlap"] = shared / max(held, 1)
+
+
+def check_select_in_attention(case: Case, row: dict[str, Any]) -> None:
+    """The attention merging the lists, called directly on the last layer: its answer for request 0 against the fp32
+    reference, as the default's (PDL's ordering is covered there and by tests/gpu)."""
+    last, metadata = case.caches[-1], case.metadata
+    plan = plan_sparse_decode(metadata, M3, case.q.device)
+    scan = scan_index_pages(case.index_q, last.index_key, metadata, plan, ScanConfig(fused_merge=False))
+    out = select_and_attend(case.q, last.key, last.value, scan, metadata, plan, M3.head_dim**-0.5)
+    row.update({f"select_{k}": v for k, v in check_request0(case, scan.selected, out).items()})
+
+
+def measure_peer(case: Case, peer: msa_peer.Peer, row: dict[str, Any], selected: torch.Tensor,
+                 out: torch.Tensor) -> None:  # fmt: skip
+    """The peer's decode layer (index + attention, without the new keys' store, which vLLM runs as its own op)
+    over the same index keys, K/V contents, queries and page table, timed as ours; ours / peer per row."""
+    metadata = case.metadata
+    dims = msa_peer.PeerDims(num_kv_heads=M3.num_kv_heads, topk=M3.topk, local_blocks=M3.local_blocks,
+                             scale=M3.head_dim**-0.5)  # fmt: skip
+    peer_kv = [msa_peer.interleaved_kv(c.key, c.value) for c in case.caches]
+    buffer = msa_peer.topk_buffer(case.batch, M3.num_kv_heads, M3.topk, case.q.device)
+    peer_out = torch.empty_like(case.q)
+    msa_peer.reset_autotune(peer)
+
+    def call(layer: int, caches: list[LayerKVCache]) -> None:
+        msa_peer.decode_layer(peer, dims, case.index_q, caches[layer].index_key, case.q, peer_kv[layer],
+                              metadata.page_table, metadata.seq_lens, case.context, buffer, peer_out)  # fmt: skip
+
+    try:
+        row["peer_us"] = time_layers(lambda layer: call(layer, case.caches), case.layers).us
+        row["peer_fp8_us"] = row["peer_us"]  # the peer's index cache is bf16 only
+        for ours in ("total", "default", "best"):
+            if row.get(f"{ours}_us"):
+                row[f"{ours}_vs_peer"] = row["peer_us"] / row[f"{ours}_us"]
+            if row.get(f"{ours}_fp8_us"):
+                row[f"{ours}_fp8_vs_peer"] = row["peer_us"] / row[f"{ours}_fp8_us"]
+        if case.context <= 131072:
+            call(case.layers - 1, case.caches)
+            peer_sel = buffer[: case.batch].transpose(0, 1)[:, :1]
+            same = [set(a.tolist()) - {-1} == set(b.tolist()) - {-1}
+                    for a, b in zip(peer_sel[:, 0], selected[:, 0], strict=True)]  # fmt: skip
+            row["peer_heads_same_selection"] = sum(same)
+            row["peer_max_abs_diff"] = float((peer_out[:1].float() - out[:1].float()).abs().max())
+    except Exception as exc:
+        logger.exception("peer decode failed")
+        row.setdefault("errors", {})["peer"] = f"{type(exc).__name__}: {exc}"[:300]
 
 
 def sweep(case: Case, use_flashinfer: bool, deadline: float) -> tuple[list[dict[str, Any]], dict[str, Any] | None]:
@@ -538,6 +654,7 @@ def main() -> int:
     parser.add_argument("--contexts", default=",".join(map(str, CONTEXTS)))
     parser.add_argument("--batches", default=",".join(map(str, BATCHES)))
     parser.add_argument("--no-sweep", action="store_true")
+    parser.add_argument("--no-peer", action="store_true", help="skip the reference stack's kernels (bench.msa_peer)")
     parser.add_argument("--sweep-cases", default=",".join(f"{c}x{b}" for c, b in SWEEP_CASES),
                         help="CONTEXTxBATCH cases to sweep (those among the timed ones)")  # fmt: skip
     parser.add_argument("--table", type=Path, default=None, help="print the tables of a results file and exit")
@@ -564,6 +681,8 @@ def main() -> int:
     device = torch.device("cuda")
     use_flashinfer = flashinfer_available(device)
     extra["flashinfer"] = use_flashinfer
+    peer = None if args.no_peer else msa_peer.load_peer()
+    extra["peer"] = peer.describe() if peer is not None else None
     contexts = [int(c) for c in args.contexts.split(",")]
     batches = [int(b) for b in args.batches.split(",")]
     wanted = [(c, b) for c in contexts for b in batches]
@@ -583,7 +702,7 @@ def main() -> int:
         case: Case | str | None = None
         try:
             case = build_case(context, batch, device, generator)
-            row = {**row, "skipped": case} if isinstance(case, str) else measure(case, use_flashinfer)
+            row = {**row, "skipped": case} if isinstance(case, str) else measure(case, use_flashinfer, peer)
         except Exception as exc:
             logger.exception("case context=%d batch=%d failed", context, batch)
             row["error"] = f"{type(exc).__name__}: {exc}"[:500]
@@ -618,6 +737,7 @@ def print_tables(rows: list[dict[str, Any]], sweeps: list[dict[str, Any]], tuned
     if tuned:
         tables.append(markdown_table(sorted(tuned, key=lambda r: (r["context"], r["batch"])), TUNED_COLUMNS))
     tables.append(markdown_table(sorted(rows, key=lambda r: (r["context"], r["batch"])), COLUMNS))
+    tables.append(markdown_table(sorted(rows, key=lambda r: (r["context"], r["batch"])), PEER_COLUMNS))
     sys.stdout.write("\n\n".join(tables) + "\n")
 
 

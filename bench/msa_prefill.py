@@ -13,7 +13,7 @@ Writes ``<out or bench/results>/msa_prefill.json`` after every context (rows: ``
 ``query_major_ms``, ``msa_total_ms``, ``dense_ms`` and the details: FlashInfer and SDPA times,
 achieved TFLOP/s and TB/s, work items, peak extra memory), the sweep, the launch configs it picked
 and the registers / spills / shared memory of every kernel variant compiled, and prints markdown
-tables last.  Targets (design/msa.md): MSA layer >= 8x faster than dense at 128K and growing with
+tables last.  Targets (docs/msa.md#performance-targets): MSA layer >= 8x faster than dense at 128K and growing with
 context; block-major >= 1.5x query-major at 128K.  Dense runs up to 256K; beyond,
 ``dense_ms_extrapolated`` scales the 256K time by the causal (context^2) FLOPs.
 """
@@ -34,9 +34,11 @@ from typing import Any
 import torch
 import triton
 
+from bench import msa_peer
 from bench.common import cuda_time_us, markdown_table, write_results
-from m3stack.engine.attention.metadata import AttentionMetadata
-from m3stack.engine.msa import prefill_block_major, prefill_csr, prefill_index, prefill_query_major
+from m3stack.engine.kv_cache.metadata import AttentionMetadata
+from m3stack.engine.kv_cache.tensors import fp8_index_from
+from m3stack.engine.msa import prefill_block_major, prefill_csr, prefill_index, prefill_query_major, reference
 from m3stack.engine.msa.prefill_attention import DEFAULT_WORKSPACE_BYTES, sparse_prefill
 from m3stack.engine.msa.prefill_block_major import BlockMajorPlan, attend_chunk, merge_chunk, plan_block_major
 from m3stack.engine.msa.prefill_common import PrefillTuning
@@ -45,7 +47,7 @@ from m3stack.engine.msa.prefill_index import IndexTuning, prefill_index_topk
 
 logger = logging.getLogger("bench.msa_prefill")
 
-# M3 attention dims (design/msa.md).
+# M3 attention dims (docs/msa.md#semantics).
 Q_HEADS, KV_HEADS, HEAD_DIM, INDEX_DIM, BLOCK, TOPK, LOCAL = 64, 4, 128, 128, 128, 16, 1
 GROUP = Q_HEADS // KV_HEADS
 SCALE = HEAD_DIM**-0.5
@@ -285,7 +287,47 @@ def sweep(
     return best_index, fastest("block_major merge", merges, merge_phase), results
 
 
-def measure(layer: Layer, index_tuning: IndexTuning, attn: AttentionConfig, dense: bool) -> dict[str, Any]:
+def measure_fp8_indexer(layer: Layer, row: dict[str, Any], selection: torch.Tensor, tuning: IndexTuning) -> float:
+    """The indexer over the engine's fp8 k-index (``--index-dtype fp8_e4m3``) of the same keys; its selections'
+    overlap with the bf16 index's (``fp8_selection_overlap``)."""
+    keys, scales = fp8_index_from(layer.index_key_cache)
+
+    def index() -> torch.Tensor:
+        return prefill_index_topk(layer.index_q, keys, layer.metadata, TOPK, LOCAL, tuning, index_key_scale=scales)
+
+    shared, held = reference.selection_overlap(selection, index())
+    row["fp8_selection_overlap"] = shared / max(held, 1)
+    return time_ms(index)
+
+
+def measure_peer(layer: Layer, peer: msa_peer.Peer, row: dict[str, Any], selection: torch.Tensor,
+                 attn: AttentionConfig) -> float:  # fmt: skip
+    """The peer's prefill layer (index scores, top-k, sparse attention; eager, as vLLM runs prefill) over the same
+    inputs, timed as ours.  Up to 32K its selection and output are compared with ours."""
+    dims = msa_peer.PeerDims(num_kv_heads=KV_HEADS, topk=TOPK, local_blocks=LOCAL, scale=SCALE)
+    context = len(layer.q)
+    kv = msa_peer.interleaved_kv(layer.key_cache, layer.value_cache)
+    buffer = msa_peer.topk_buffer(context, KV_HEADS, TOPK, layer.q.device)
+    out = torch.empty_like(layer.q)
+    msa_peer.reset_autotune(peer)
+
+    def run() -> torch.Tensor:
+        return msa_peer.prefill_layer(peer, dims, layer.index_q, layer.index_key_cache, layer.q, kv,
+                                      layer.metadata.page_table, buffer, out)  # fmt: skip
+
+    ms = time_ms(run)
+    if context <= 32768:
+        peer_selection = run().sort(dim=-1).values
+        row["peer_same_selection_frac"] = float(
+            (peer_selection == selection.sort(dim=-1).values).all(-1).float().mean()
+        )
+        ours = layer.attend(selection, "block_major", attn)
+        row["peer_max_abs_diff"] = float((out.float() - ours.float()).abs().max())
+    return ms
+
+
+def measure(layer: Layer, index_tuning: IndexTuning, attn: AttentionConfig, dense: bool,
+            peer: msa_peer.Peer | None = None) -> dict[str, Any]:  # fmt: skip
     context = len(layer.q)
     row: dict[str, Any] = {"context": context}
     selection = layer.index(index_tuning)
@@ -307,6 +349,9 @@ def measure(layer: Layer, index_tuning: IndexTuning, attn: AttentionConfig, dens
             lambda: float((layer.attend(selection, "block_major", attn).float()
                            - layer.attend(selection, "query_major", attn).float()).abs().max()),
         )  # fmt: skip
+    attempt(row, "indexer_fp8_ms", lambda: measure_fp8_indexer(layer, row, selection, index_tuning))
+    if peer is not None:
+        attempt(row, "peer_ms", lambda: measure_peer(layer, peer, row, selection, attn))
     if dense:
         attempt(row, "flashinfer_ms", lambda: time_ms(dense_flashinfer(layer)))
         attempt(row, "sdpa_flash_ms", lambda: time_ms(dense_sdpa(layer)))
@@ -381,6 +426,8 @@ def finish_row(row: dict[str, Any], dense_reference: tuple[int, float] | None) -
         row["speedup_vs_dense"] = dense / row["msa_total_ms"]
     if row.get("query_major_ms") and row.get("block_major_ms"):
         row["block_vs_query_speedup"] = row["query_major_ms"] / row["block_major_ms"]
+    if row.get("peer_ms") and row.get("msa_total_ms"):
+        row["vs_peer"] = row["peer_ms"] / row["msa_total_ms"]
 
 
 def main() -> int:
@@ -395,6 +442,7 @@ def main() -> int:
         help=f"which sweep steps run (of {','.join(SWEEP_STEPS)}); the others keep their defaults",
     )
     parser.add_argument("--table", type=Path, default=None, help="print the tables of a results file and exit")
+    parser.add_argument("--no-peer", action="store_true", help="skip the reference stack's kernels (bench.msa_peer)")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     if args.table is not None:
@@ -407,6 +455,8 @@ def main() -> int:
     contexts = [int(c) for c in args.contexts.split(",")]
     rows: list[dict[str, Any]] = []
     extra: dict[str, Any] = {"dims": dict(Hq=Q_HEADS, Hkv=KV_HEADS, D=HEAD_DIM, d=INDEX_DIM, B=BLOCK, K=TOPK)}
+    peer = None if args.no_peer else msa_peer.load_peer()
+    extra["peer"] = peer.describe() if peer is not None else None
     index_tuning, attn_config = IndexTuning(), AttentionConfig()
     if not args.no_sweep and SWEEP_CONTEXT in contexts:
         layer = Layer(SWEEP_CONTEXT, seed=0, device=torch.device("cuda"))
@@ -428,7 +478,7 @@ def main() -> int:
         logger.info("context %d", context)
         try:
             layer = Layer(context, seed=context, device=torch.device("cuda"))
-            row = measure(layer, index_tuning, attn_config, dense=context <= DENSE_MAX_CONTEXT)
+            row = measure(layer, index_tuning, attn_config, dense=context <= DENSE_MAX_CONTEXT, peer=peer)
         except Exception as error:
             logger.error("context %d failed:\n%s", context, traceback.format_exc())
             row = {"context": context, "errors": {"setup": f"{type(error).__name__}: {error}"[:500]}}
@@ -449,7 +499,8 @@ def main() -> int:
 
 COLUMNS = ["context", "indexer_ms", "csr_ms", "attend_ms", "merge_ms", "block_major_ms", "query_major_ms",
            "msa_total_ms", "dense_ms", "dense_ms_extrapolated", "speedup_vs_dense", "block_vs_query_speedup",
-           "attend_tflops", "attend_tbps", "merge_tbps", "indexer_tflops", "tiles_per_item"]  # fmt: skip
+           "attend_tflops", "attend_tbps", "merge_tbps", "indexer_tflops", "tiles_per_item", "indexer_fp8_ms",
+           "fp8_selection_overlap", "peer_ms", "vs_peer"]  # fmt: skip
 COMPILED_COLUMNS = ["kernel", "constexprs", "warps", "stages", "registers", "spills", "shared_kib", "error"]
 
 

@@ -42,12 +42,12 @@ from safetensors.torch import save_file
 
 from bench.common import markdown_table, write_results
 from bench.engine_step import VOCAB, model_config
+from m3stack.engine.assembly.build import build_engine_core
+from m3stack.engine.assembly.config import EngineConfig
+from m3stack.engine.assembly.parallel import stop_parallel_engine
 from m3stack.engine.distributed.config import ParallelConfig
-from m3stack.engine.distributed.engine import stop_parallel_engine
 from m3stack.engine.model.config import parse_config
 from m3stack.engine.model.weights import checkpoint_tensors
-from m3stack.engine.runtime.builder import build_engine_core
-from m3stack.engine.runtime.config import EngineConfig
 from m3stack.engine.runtime.engine_core import EngineCore
 from m3stack.engine.runtime.request import SamplingParams
 from m3stack.engine.runtime.validation import build_request

@@ -201,7 +201,7 @@ def decode_builds() -> Iterator[KernelBuild]:
     """The MSA decode index scan at M3 dims (bf16 k-index, one token per request, merge and store fused), in the
     scan configs ``bench.msa_decode`` sweeps, and with the page ids loaded one iteration ahead."""
     from bench import msa_decode as bench
-    from m3stack.engine.msa import decode_index
+    from m3stack.engine.msa import decode_index_kernels
 
     shape = bench.M3
     ranked = shape.topk - shape.local_blocks
@@ -214,14 +214,14 @@ def decode_builds() -> Iterator[KernelBuild]:
         HIDX=shape.num_kv_heads, D=shape.index_head_dim, B=shape.block_size, N=16, CS=shape.num_kv_heads,
         KP=triton.next_power_of_2(ranked), SP=512, TOPK=shape.topk, TOPK_P=triton.next_power_of_2(shape.topk),
         KR=ranked, KR_P=triton.next_power_of_2(ranked), LOCAL=shape.local_blocks, INPUT_PRECISION="tf32",
-        MERGE=True, FLOOR=decode_index._FLOOR, ST_HKV=shape.num_kv_heads, ST_HKV_P=shape.num_kv_heads,
+        MERGE=True, FLOOR=decode_index_kernels.FLOOR, ST_HKV=shape.num_kv_heads, ST_HKV_P=shape.num_kv_heads,
         ST_D=shape.head_dim, ST_D_P=shape.head_dim, ST_DI=shape.index_head_dim, ST_DI_P=shape.index_head_dim,
         ST_HAS_INDEX=True,
     )  # fmt: skip
     configs = [dataclasses.replace(c, page_ids_ahead=ahead) for ahead in (False, True) for c in bench.SCAN_CONFIGS]
     for config in configs:
         yield KernelBuild(
-            f"scan pages={config.pages_per_iteration} ahead={config.page_ids_ahead}", decode_index._scan_kernel,
+            f"scan pages={config.pages_per_iteration} ahead={config.page_ids_ahead}", decode_index_kernels.scan_kernel,
             pointers, dict(PAGES=config.pages_per_iteration, PAGE_IDS_AHEAD=config.page_ids_ahead, **constexprs),
             num_warps=config.num_warps, num_stages=config.num_stages,
         )  # fmt: skip

@@ -7,9 +7,14 @@ finish within --drain-timeout, the rest end with finish reason ABORT.
 
 import argparse
 import logging
+from typing import TYPE_CHECKING
 
 from m3stack import options
 from m3stack.options import OptionGroup
+
+if TYPE_CHECKING:  # imported when the engine runs, not for `m3stack --help`
+    from m3stack.engine.assembly.config import EngineConfig
+    from m3stack.engine.distributed.config import ParallelConfig
 
 logger = logging.getLogger(__name__)
 
@@ -71,6 +76,13 @@ def add_arguments(opts: OptionGroup) -> None:
         help="fraction of GPU memory for weights, activations and the KV cache when --kv-cache-gb is unset",
     )
     opts.add(
+        "--device-memory-gb",
+        type=options.positive_float,
+        default=None,
+        help="memory of one device in GiB for the check before loading that the model fits (default: the GPU's "
+        "own on cuda; no check on cpu)",
+    )
+    opts.add(
         "--max-queue",
         type=options.positive_int,
         default=1024,
@@ -111,6 +123,20 @@ def add_arguments(opts: OptionGroup) -> None:
         help="MSA decode: score the pages several requests share (one prompt prefix) once for them in the index scan",
     )
     opts.add(
+        "--index-dtype",
+        default="auto",
+        choices=["auto", "fp8_e4m3"],  # kv_cache.tensors.INDEX_DTYPES
+        help="MSA k-index storage: auto = as --dtype; fp8_e4m3 = 8-bit keys with a float32 scale per token (half "
+        "the bytes the decode index scan reads)",
+    )
+    opts.add(
+        "--kv-cache-dtype",
+        default="auto",
+        choices=["auto", "fp8_e4m3"],  # kv_cache.tensors.KV_CACHE_DTYPES
+        help="K/V cache storage: auto = as --dtype; fp8_e4m3 = 8-bit K and V (half a bf16 cache's bytes, so twice the "
+        "tokens; attention runs in Triton, FlashInfer reads half-precision caches only)",
+    )
+    opts.add(
         "--tensor-parallel",
         type=options.positive_int,
         default=1,
@@ -141,18 +167,10 @@ def add_arguments(opts: OptionGroup) -> None:
 def run(args: argparse.Namespace) -> int:
     import asyncio
 
-    from m3stack.engine.distributed.config import ParallelConfig
-    from m3stack.engine.runtime.config import EngineConfig, model_folder
+    from m3stack.engine.assembly.config import model_folder
 
     try:
-        parallel = ParallelConfig(
-            tensor_parallel=args.tensor_parallel,
-            expert_parallel=args.expert_parallel,
-            nnodes=args.nnodes,
-            node_rank=args.node_rank,
-            master_addr=args.master_addr,
-            master_port=args.master_port,
-        )
+        parallel = parallel_config(args)
     except ValueError as exc:
         logger.error("%s", exc)
         return 2
@@ -166,39 +184,64 @@ def run(args: argparse.Namespace) -> int:
     from m3stack.engine.server.serve import ServeSettings, serve
 
     settings = ServeSettings(
-        engine=EngineConfig(
-            model=args.model,
-            served_model_name=args.served_model_name,
-            device=args.device,
-            dtype=args.dtype,
-            max_num_seqs=args.max_num_seqs,
-            max_num_batched_tokens=args.max_num_batched_tokens,
-            max_model_len=args.max_model_len,
-            kv_cache_gb=args.kv_cache_gb,
-            gpu_memory_utilization=args.gpu_memory_utilization,
-            max_queue=args.max_queue,
-            enable_prefix_caching=not args.disable_prefix_caching,
-            cuda_graphs=not args.enforce_eager,
-            warmup=False if args.skip_warmup else None,
-            async_scheduling=False if args.disable_async_scheduling else None,
-            cpu_threads=args.cpu_threads,
-            attention=args.attention,
-            msa_shared_page_scan=args.msa_shared_page_scan,
-            kv_offload_gb=args.kv_offload_gb,
-            kv_offload_hot_blocks=args.kv_offload_hot_blocks,
-            seed=args.seed,
-            parallel=parallel,
-        ),
+        engine=engine_config(args, parallel),
         grpc=GrpcSettings(host=args.host, port=args.port, max_message_bytes=args.max_message_mb * 2**20),
         metrics_host=args.metrics_host or args.host,
         metrics_port=args.metrics_port,
         drain_timeout_s=args.drain_timeout,
     )
     if parallel.node_rank > 0:  # a worker node of a multi-node engine: no server, only this node's ranks
-        from m3stack.engine.distributed.engine import run_worker_node
+        from m3stack.engine.assembly.parallel import run_worker_node
 
         return run_worker_node(settings.engine)
     try:
         return asyncio.run(serve(settings))
     except KeyboardInterrupt:
         return 130
+
+
+def parallel_config(args: argparse.Namespace) -> "ParallelConfig":
+    """The parallelism the flags ask for (a ``ValueError`` names a bad combination)."""
+    from m3stack.engine.distributed.config import ParallelConfig
+
+    return ParallelConfig(
+        tensor_parallel=args.tensor_parallel,
+        expert_parallel=args.expert_parallel,
+        nnodes=args.nnodes,
+        node_rank=args.node_rank,
+        master_addr=args.master_addr,
+        master_port=args.master_port,
+    )
+
+
+def engine_config(args: argparse.Namespace, parallel: "ParallelConfig") -> "EngineConfig":
+    """The ``EngineConfig`` the flags (and their ``M3STACK_ENGINE_*`` variables) ask for; ``m3stack up`` sizes
+    its engines from the same."""
+    from m3stack.engine.assembly.config import EngineConfig
+
+    return EngineConfig(
+        model=args.model,
+        served_model_name=args.served_model_name,
+        device=args.device,
+        dtype=args.dtype,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        max_model_len=args.max_model_len,
+        kv_cache_gb=args.kv_cache_gb,
+        gpu_memory_utilization=args.gpu_memory_utilization,
+        device_memory_gb=args.device_memory_gb,
+        max_queue=args.max_queue,
+        enable_prefix_caching=not args.disable_prefix_caching,
+        cuda_graphs=not args.enforce_eager,
+        warmup=False if args.skip_warmup else None,
+        async_scheduling=False if args.disable_async_scheduling else None,
+        cpu_threads=args.cpu_threads,
+        attention=args.attention,
+        msa_shared_page_scan=args.msa_shared_page_scan,
+        index_dtype=args.index_dtype,
+        kv_cache_dtype=args.kv_cache_dtype,
+        kv_offload_gb=args.kv_offload_gb,
+        kv_offload_hot_blocks=args.kv_offload_hot_blocks,
+        seed=args.seed,
+        parallel=parallel,
+    )

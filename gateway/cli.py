@@ -13,6 +13,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from m3stack import options
+from m3stack.gateway.agentic.reasoning import THINKING_MODES
+from m3stack.gateway.api.request_limits import DEFAULT_MAX_PROMPTS, DEFAULT_MAX_REQUEST_BYTES, DEFAULT_MAX_SEQUENCES
 from m3stack.gateway.multimodal import limits as media_limits
 from m3stack.options import OptionGroup
 
@@ -20,15 +22,21 @@ from m3stack.options import OptionGroup
 # (nginx Ingress upstream keepalive 60 s, aiohttp 15 s), so they reuse a connection the gateway is closing and the
 # request fails; 75 s outlasts them.
 KEEP_ALIVE_TIMEOUT_S = 75.0
+# The --model value naming the embedded tiny model (as the engine's --model does).
+DEFAULT_MODEL = "default"
 
 if TYPE_CHECKING:
-    from m3stack.gateway.config import GatewayConfig
+    from m3stack.gateway.api.config import GatewayConfig
 
 logger = logging.getLogger(__name__)
 
 
 def add_arguments(opts: OptionGroup) -> None:
-    opts.add("--model", help="model folder with tokenizer.json and the chat template (an HF-layout checkpoint)")
+    opts.add(
+        "--model",
+        help="model folder with tokenizer.json and the chat template (an HF-layout checkpoint), or 'default' for "
+        "the embedded tiny model's files",
+    )
     opts.add("--served-model-name", help="the name clients pass as `model` (default: the model folder's name)")
     opts.add("--host", default="127.0.0.1", help="HTTP listen address")
     opts.add("--port", type=options.port, default=8000, help="HTTP port")
@@ -46,7 +54,24 @@ def add_arguments(opts: OptionGroup) -> None:
         " engine, relative to its load",
     )
     opts.add("--api-key-file", help="file of accepted bearer tokens, one per line (re-read when it changes)")
-    opts.add("--max-request-bytes", type=options.positive_int, default=64 * 2**20, help="largest request body")
+    opts.add(
+        "--max-request-bytes",
+        type=options.positive_int,
+        default=DEFAULT_MAX_REQUEST_BYTES,
+        help="largest request body (413); larger media go by URL",
+    )
+    opts.add(
+        "--max-request-prompts",
+        type=options.positive_int,
+        default=DEFAULT_MAX_PROMPTS,
+        help="most prompts in one /v1/completions request (400)",
+    )
+    opts.add(
+        "--max-request-sequences",
+        type=options.positive_int,
+        default=DEFAULT_MAX_SEQUENCES,
+        help="most sequences (prompts x n) one request may start (400); keep it within the engines' --max-queue",
+    )
     opts.add("--tokenizer-threads", type=options.positive_int, default=2, help="threads for templates and tokenizing")
     opts.add(
         "--max-attempts",
@@ -71,6 +96,33 @@ def add_arguments(opts: OptionGroup) -> None:
         default=None,
         help="processes for image/video preprocessing (default: one per core; 0 turns media input off)",
     )
+    opts.add(
+        "--thinking-mode",
+        default="adaptive",
+        choices=list(THINKING_MODES),
+        help="M3's reasoning for chat requests that do not choose (chat_template_kwargs thinking_mode or "
+        "enable_thinking): adaptive lets the model decide, enabled makes it think, disabled skips it; the reasoning "
+        "comes back as reasoning_content",
+    )
+    opts.add(
+        "--rate-limit-rps",
+        type=options.non_negative_float,
+        default=0.0,
+        help="per API key: completion requests per second, bursts of up to max(1, this); 0 = no limit (429 with "
+        "Retry-After)",
+    )
+    opts.add(
+        "--rate-limit-tpm",
+        type=options.non_negative_int,
+        default=0,
+        help="per API key: prompt + completion tokens per minute, charged as each request ends; 0 = no limit",
+    )
+    opts.add(
+        "--rate-limit-concurrency",
+        type=options.non_negative_int,
+        default=0,
+        help="per API key: completion requests running at once; 0 = no limit",
+    )
     media_limits.add_arguments(opts)
     opts.add("--drain-timeout", type=options.non_negative_float, default=30.0, help="seconds open streams get on stop")
     opts.add(
@@ -81,20 +133,44 @@ def add_arguments(opts: OptionGroup) -> None:
         "clients in front (Ingress controllers keep upstream connections 60 s), or a request sent just as the "
         "gateway closes the connection fails",
     )
-    opts.flag("--access-log", help="log every HTTP request")
+    opts.flag(
+        "--access-log",
+        default=True,
+        help="one JSON line per API request on stderr: request id, status, duration, tokens, API key id",
+    )
+
+
+def model_folder(model: str) -> Path:
+    """The folder ``--model`` names.  'default' is the tiny model's folder in the cache, where the engine finds
+    it too; the gateway reads it but cannot make it (the weights need torch): the gateway image holds its files,
+    `m3stack up` and `m3stack model init-tiny` create it on a machine."""
+    if model == DEFAULT_MODEL:
+        from m3stack.default_model import tiny_checkpoint_dir
+
+        folder = tiny_checkpoint_dir()
+        if not (folder / "tokenizer.json").is_file():
+            raise ValueError(
+                f"--model default: the tiny default model is not in {folder}; create it with "
+                "`m3stack model init-tiny`, or give a model folder"
+            )
+        return folder
+    folder = Path(model).expanduser().resolve()
+    if not folder.is_dir():
+        raise ValueError(f"--model {model}: not a folder")
+    return folder
 
 
 def build_config(args: argparse.Namespace) -> "GatewayConfig":
-    from m3stack.gateway.config import GatewayConfig
-    from m3stack.gateway.engines.breaker import BreakerSettings
-    from m3stack.gateway.engines.client import ProbeSettings
-    from m3stack.gateway.engines.discovery import format_address
+    from m3stack.gateway.api.config import GatewayConfig
+    from m3stack.gateway.api.rate_limit import RateLimits
+    from m3stack.gateway.api.request_limits import RequestLimits
+    from m3stack.gateway.engine_client.breaker import BreakerSettings
+    from m3stack.gateway.engine_client.client import ProbeSettings
+    from m3stack.gateway.engine_client.discovery import format_address
 
     if not args.model:
         raise ValueError("--model is required: the model folder with tokenizer.json and the chat template")
-    model_dir = Path(args.model).expanduser().resolve()
-    if not model_dir.is_dir():
-        raise ValueError(f"--model {args.model}: not a folder")
+    model_dir = model_folder(args.model)
     if bool(args.engines) == bool(args.engine_service):
         raise ValueError("give exactly one of --engines and --engine-service")
     return GatewayConfig(
@@ -107,6 +183,7 @@ def build_config(args: argparse.Namespace) -> "GatewayConfig":
         prefix_load_penalty=args.prefix_load_penalty,
         api_key_file=Path(args.api_key_file) if args.api_key_file else None,
         max_request_bytes=args.max_request_bytes,
+        request_limits=RequestLimits(args.max_request_prompts, args.max_request_sequences),
         tokenizer_threads=args.tokenizer_threads,
         max_attempts=args.max_attempts,
         engine_stream=args.engine_stream,
@@ -114,6 +191,9 @@ def build_config(args: argparse.Namespace) -> "GatewayConfig":
         probe=ProbeSettings(interval_s=args.health_interval, timeout_s=args.health_timeout),
         media_workers=args.media_workers,
         media_limits=media_limits.from_args(args),
+        thinking_mode=args.thinking_mode,
+        rate_limits=RateLimits(args.rate_limit_rps, args.rate_limit_tpm, args.rate_limit_concurrency),
+        access_log=args.access_log,
     )
 
 
@@ -122,10 +202,11 @@ def run(args: argparse.Namespace) -> int:
 
     from m3stack.gateway.api.app import create_app
     from m3stack.gateway.tokenize.tokenizer import TokenizerLoadError
+    from m3stack.tracing import tracer_from_environment
 
     try:
         config = build_config(args)
-        app = create_app(config)
+        app = create_app(config, tracer_from_environment("m3stack-gateway"))
     except (ValueError, TokenizerLoadError) as exc:
         logger.error("%s", exc)
         return 2
@@ -159,7 +240,7 @@ def run(args: argparse.Namespace) -> int:
             host=args.host,
             port=args.port,
             log_config=None,
-            access_log=args.access_log,
+            access_log=False,  # ours instead (--access-log): JSON, with the request's id and tokens
             timeout_graceful_shutdown=int(args.drain_timeout) or None,
             timeout_keep_alive=args.keep_alive_timeout,
             lifespan="on",

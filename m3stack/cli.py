@@ -12,7 +12,7 @@ import sys
 from collections.abc import Sequence
 
 from m3stack import __version__
-from m3stack.logs import configure_logging
+from m3stack.logs import LOG_FORMATS, configure_logging
 from m3stack.options import OptionGroup
 
 # name -> (module, one-line help); order is the order --help lists them.
@@ -22,6 +22,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "gateway": ("m3stack.gateway.cli", "run the OpenAI-compatible HTTP gateway"),
     "operator": ("m3stack.operator.cli", "run the Kubernetes operator"),
     "model": ("m3stack.engine.model.cli", "create or inspect model checkpoints"),
+    "probe": ("m3stack.probe", "send a chat completion through each gateway and check the answer (helm test)"),
 }
 
 
@@ -32,6 +33,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--version", action="version", version=f"m3stack {__version__}")
     parser.add_argument("--log-level", default=None, help="DEBUG, INFO, WARNING or ERROR [env: M3STACK_LOG_LEVEL]")
+    parser.add_argument(
+        "--log-format",
+        default=None,
+        choices=LOG_FORMATS,
+        help="text (default) or json: one JSON object per line [env: M3STACK_LOG_FORMAT]",
+    )
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for name, (module_name, summary) in SUBCOMMANDS.items():
         module = importlib.import_module(module_name)
@@ -42,8 +49,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    configure_logging(args.log_level)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        configure_logging(args.log_level, args.log_format)
+    except ValueError as exc:  # a bad M3STACK_LOG_FORMAT: exit 2 naming it, as for a bad flag
+        parser.error(f"M3STACK_LOG_FORMAT: {exc}")
     return int(args._run(args))
 
 

@@ -50,11 +50,12 @@ class OptionGroup:
             **kwargs,
         )
 
-    def flag(self, flag: str, *, help: str) -> None:
-        """A boolean switch; the variable accepts 1/0, true/false, yes/no, on/off."""
+    def flag(self, flag: str, *, help: str, default: bool = False) -> None:
+        """A boolean switch (``--no-<flag>`` turns it off); the variable accepts 1/0, true/false, yes/no, on/off."""
         variable = env_name(self.command, flag)
         raw = os.environ.get(variable)
-        default = False if raw is None else self._convert(variable, raw, boolean, None)
+        if raw is not None:
+            default = self._convert(variable, raw, boolean, None)
         self.parser.add_argument(
             flag,
             action=argparse.BooleanOptionalAction,

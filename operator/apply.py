@@ -33,6 +33,7 @@ PLURALS = {
     "NetworkPolicy": "networkpolicies",
     "ScaledObject": "scaledobjects",
     "LeaderWorkerSet": "leaderworkersets",
+    "ServiceMonitor": "servicemonitors",
     "Pod": "pods",
     "Event": "events",
     KIND: PLURAL,
@@ -178,6 +179,16 @@ class Cluster:
         except ApiError as error:
             if error.status not in (404, 409):
                 raise
+
+    def serves(self, kind: ChildKind) -> bool:
+        """Whether the API server serves ``kind`` (its CRD is installed): one read of its group version."""
+        try:
+            resources = self._request("GET", f"/apis/{kind.api_version}").get("resources", [])
+        except ApiError as error:
+            if error.status == 404:
+                return False
+            raise
+        return any(resource.get("name") == PLURALS[kind.kind] for resource in resources)
 
     def scale(self, kind: ChildKind, namespace: str, name: str, replicas: int) -> dict[str, Any]:
         """Sets the replicas of a resource through its /scale subresource; returns the Scale object."""

@@ -21,6 +21,8 @@ import kopf
 
 from m3stack.operator.apply import PLURALS, POD, ApiError
 from m3stack.operator.crd import API_VERSION, GROUP, PLURAL
+from m3stack.operator.metrics import RECONCILE, OperatorMetrics
+from m3stack.operator.objects import plain
 from m3stack.operator.reconcile import Reconciler
 from m3stack.operator.render import ALL_CHILD_KINDS, DEPLOYMENT, OPTIONAL_CHILD_KINDS, ChildKind
 from m3stack.operator.render.names import COMPONENT_LABEL, DEPLOYMENT_LABEL, ENGINE, MANAGED_BY_LABEL, OPERATOR_NAME
@@ -37,19 +39,6 @@ MANAGED_SELECTOR = f"{MANAGED_BY_LABEL}={OPERATOR_NAME}"
 # A kind whose CRD may be missing (KEDA's ScaledObject) is not watched, which would warn at every start
 # in clusters without it; the drift loop recreates a deleted one.
 WATCHED_CHILD_KINDS = (*(kind for kind in ALL_CHILD_KINDS if kind not in OPTIONAL_CHILD_KINDS), POD)
-
-
-def plain(body: Mapping[str, Any]) -> dict[str, Any]:
-    """kopf's Body view as plain dicts and lists (what the render and status functions take)."""
-
-    def convert(value: Any) -> Any:
-        if isinstance(value, Mapping):
-            return {key: convert(item) for key, item in value.items()}
-        if isinstance(value, list | tuple):
-            return [convert(item) for item in value]
-        return value
-
-    return convert(body)
 
 
 def owner_key(body: Mapping[str, Any]) -> tuple[str, str] | None:
@@ -77,9 +66,12 @@ def configure_settings(settings: kopf.OperatorSettings) -> None:
         settings.watching.label_selectors[_resource(kind)] = MANAGED_SELECTOR
 
 
-def build_registry(reconciler: Reconciler, queue: WorkQueue) -> kopf.OperatorRegistry:
+def build_registry(
+    reconciler: Reconciler, queue: WorkQueue, metrics: OperatorMetrics | None = None
+) -> kopf.OperatorRegistry:
     registry = kopf.OperatorRegistry()
     m3deployments = (API_VERSION, PLURAL)
+    reconcile = reconciler.reconcile if metrics is None else metrics.counted(RECONCILE, reconciler.reconcile)
 
     @kopf.on.login(registry=registry)
     def login(**kwargs: Any) -> kopf.ConnectionInfo | None:
@@ -91,7 +83,7 @@ def build_registry(reconciler: Reconciler, queue: WorkQueue) -> kopf.OperatorReg
     @kopf.on.update(*m3deployments, backoff=RETRY_DELAY_SECONDS, registry=registry)
     def reconcile_m3deployment(body: kopf.Body, **_: Any) -> None:
         try:
-            reconciler.reconcile(plain(body))
+            reconcile(plain(body))
         except ApiError as error:
             raise kopf.TemporaryError(str(error), delay=RETRY_DELAY_SECONDS) from error
 

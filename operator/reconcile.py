@@ -8,18 +8,20 @@ M3Deployment is serialized by a per-object lock (kopf's handler threads and the 
 
 import logging
 import threading
+import time
 from collections.abc import Callable, Mapping
-from datetime import UTC, datetime
 from typing import Any
 
 import kopf
 
 from m3stack.operator.apply import M3DEPLOYMENT, POD, ApiError, Cluster
+from m3stack.operator.objects import utc_now
 from m3stack.operator.render import (
     ALL_CHILD_KINDS,
     DEPLOYMENT,
     LEADER_WORKER_SET,
     OPTIONAL_CHILD_KINDS,
+    SERVICE_MONITOR,
     SHARED_CHILD_KINDS,
     WORKLOAD_KINDS,
     ChildKind,
@@ -27,6 +29,8 @@ from m3stack.operator.render import (
     kind_of,
     render_children,
 )
+from m3stack.operator.render.flags import GATEWAYS_OWN_DEFAULTS, GatewayDefaults
+from m3stack.operator.render.monitoring import Monitoring
 from m3stack.operator.render.multinode import is_multi_node, workload_view
 from m3stack.operator.render.names import COMPONENT_LABEL, DEPLOYMENT_LABEL, ENGINE
 from m3stack.operator.spec import M3Deployment
@@ -35,10 +39,6 @@ from m3stack.operator.status import DEGRADED, RECONCILE_FAILED, Observed, comput
 logger = logging.getLogger(__name__)
 
 Key = tuple[str, str]  # (namespace, name)
-
-
-def utc_now() -> str:
-    return datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
 def controlled_by(obj: Mapping[str, Any], uid: str) -> bool:
@@ -56,12 +56,39 @@ def _last_reconcile_error(status: Mapping[str, Any]) -> str | None:
 
 
 class Reconciler:
-    def __init__(self, cluster: Cluster, images: Images, clock: Callable[[], str] = utc_now) -> None:
+    def __init__(
+        self,
+        cluster: Cluster,
+        images: Images,
+        clock: Callable[[], str] = utc_now,
+        monitoring: Monitoring | None = None,
+        api_check_interval_s: float = 60.0,
+        gateway_defaults: GatewayDefaults = GATEWAYS_OWN_DEFAULTS,
+    ) -> None:
+        """``monitoring``: how to render ServiceMonitors, when the cluster serves them (None: never); whether it
+        does is checked at most every ``api_check_interval_s``, so installing the Prometheus Operator later is
+        noticed by the next drift reconcile.  ``gateway_defaults``: the gateway settings of resources that leave
+        them unset."""
         self.cluster = cluster
         self.images = images
+        self.gateway_defaults = gateway_defaults
         self.clock = clock
+        self.monitoring = monitoring
+        self._api_check_interval_s = api_check_interval_s
+        self._monitoring_served: tuple[float, bool] | None = None  # (checked at, served)
         self._locks: dict[Key, threading.Lock] = {}
         self._locks_guard = threading.Lock()
+
+    def _monitoring(self) -> Monitoring | None:
+        if self.monitoring is None:
+            return None
+        now = time.monotonic()
+        if self._monitoring_served is None or now - self._monitoring_served[0] >= self._api_check_interval_s:
+            served = self.cluster.serves(SERVICE_MONITOR)
+            if self._monitoring_served is None or served != self._monitoring_served[1]:
+                logger.info("the cluster %s ServiceMonitors", "serves" if served else "does not serve")
+            self._monitoring_served = (now, served)
+        return self.monitoring if self._monitoring_served[1] else None
 
     def _lock(self, key: Key) -> threading.Lock:
         with self._locks_guard:
@@ -81,7 +108,7 @@ class Reconciler:
             if meta.get("deletionTimestamp"):
                 return  # the garbage collector is removing the children; do not bring them back
             m3d = M3Deployment.from_body(body)
-            children = render_children(m3d, self.images)
+            children = render_children(m3d, self.images, self._monitoring(), self.gateway_defaults)
             # Ownership only: names and namespaces are rendered, and the resource's own labels are not
             # copied into pod templates (editing them would roll every pod).
             kopf.append_owner_reference(children, owner=dict(body))

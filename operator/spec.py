@@ -1,16 +1,18 @@
 """A typed, defaulted view of an M3Deployment: what the render functions read.
 
 Defaults come from the CRD schema itself (``schema.apply_defaults``), so a spec read here equals the
-spec the API server stores, whether or not the object came through an API server.
+spec the API server stores, whether or not the object came through an API server.  The gateway settings
+the chart can default (``spec_schema.UNSET_GATEWAY_SETTING``) have no CRD default and stay None when unset; the
+render resolves them against the operator's ``GatewayDefaults``.
 """
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from m3stack.operator.crd import SPEC_SCHEMA
 from m3stack.operator.quantity import parse_quantity
 from m3stack.operator.schema import apply_defaults
+from m3stack.operator.spec_schema import SPEC_SCHEMA
 
 # Seconds on top of preStop + shutdown timeout before the kubelet kills a terminating pod.
 TERMINATION_MARGIN_SECONDS = 15
@@ -54,6 +56,26 @@ class SecretKey:
 
 
 @dataclass(frozen=True)
+class RequestLimits:
+    """spec.gateway.limits: the gateway's --max-request-bytes, --max-request-prompts, --max-request-sequences.
+    None: left unset (the operator's default applies, else the gateway's)."""
+
+    max_request_bytes: int | None = None
+    max_request_prompts: int | None = None
+    max_request_sequences: int | None = None
+
+
+@dataclass(frozen=True)
+class RateLimits:
+    """spec.gateway.rateLimits: the gateway's --rate-limit-rps, --rate-limit-tpm, --rate-limit-concurrency.
+    None: left unset (the operator's default applies, else the gateway's)."""
+
+    requests_per_second: float | None = None
+    tokens_per_minute: int | None = None
+    concurrent_requests: int | None = None
+
+
+@dataclass(frozen=True)
 class Gateway:
     replicas: int
     image: str | None
@@ -61,6 +83,9 @@ class Gateway:
     port: int
     routing_policy: str
     api_key_secret: SecretKey | None
+    limits: RequestLimits
+    thinking_mode: str | None  # spec.gateway.thinkingMode (Adaptive, Enabled, Disabled); None: unset
+    rate_limits: RateLimits
     resources: Resources
     drain: Drain
     env: list[dict[str, Any]]
@@ -92,6 +117,8 @@ class Engine:
     multi_node: MultiNode
     resources: Resources
     cpu_offload_bytes: int
+    index_dtype: str  # the engine's --index-dtype
+    kv_cache_dtype: str  # the engine's --kv-cache-dtype
     grpc_port: int
     metrics_port: int
     startup_timeout_seconds: int
@@ -230,6 +257,17 @@ def _gateway(raw: Mapping[str, Any]) -> Gateway:
         port=raw["port"],
         routing_policy=raw["routing"]["policy"],
         api_key_secret=SecretKey(**raw["apiKeySecret"]) if "apiKeySecret" in raw else None,
+        limits=RequestLimits(
+            raw["limits"].get("maxRequestBytes"),
+            raw["limits"].get("maxRequestPrompts"),
+            raw["limits"].get("maxRequestSequences"),
+        ),
+        thinking_mode=raw.get("thinkingMode"),
+        rate_limits=RateLimits(
+            raw["rateLimits"].get("requestsPerSecond"),
+            raw["rateLimits"].get("tokensPerMinute"),
+            raw["rateLimits"].get("concurrentRequests"),
+        ),
         resources=_resources(raw["resources"]),
         drain=_drain(raw["drain"]),
         env=list(raw.get("env", [])),
@@ -252,6 +290,8 @@ def _engine(raw: Mapping[str, Any]) -> Engine:
         multi_node=MultiNode(size=raw["multiNode"]["size"], rendezvous_port=raw["multiNode"]["rendezvousPort"]),
         resources=_resources(raw["resources"]),
         cpu_offload_bytes=int(parse_quantity(raw["kvCache"]["cpuOffload"]["size"])),
+        index_dtype=raw["kvCache"]["indexDtype"],
+        kv_cache_dtype=raw["kvCache"]["dtype"],
         grpc_port=raw["grpcPort"],
         metrics_port=raw["metricsPort"],
         startup_timeout_seconds=raw["startup"]["timeoutSeconds"],

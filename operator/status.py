@@ -13,6 +13,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from m3stack.operator.fits import FITS, assess_fit
 from m3stack.operator.render.names import (
     COMPONENT_LABEL,
     ENGINE,
@@ -57,9 +58,9 @@ _WAITING_REASONS = {
     "CrashLoopBackOff": CRASH_LOOP_BACK_OFF,
     "CreateContainerConfigError": CONFIG_ERROR,
 }
-# Conditions whose changes become Events (the others change with every rollout).
-EVENT_CONDITIONS = (READY, DEGRADED)
-OWNED_CONDITIONS = (READY, GATEWAY_READY, ENGINES_READY, PROGRESSING, DEGRADED)
+# Conditions whose changes become Events (the others change with every rollout); Fits also when it starts False.
+EVENT_CONDITIONS = (READY, DEGRADED, FITS)
+OWNED_CONDITIONS = (READY, GATEWAY_READY, ENGINES_READY, PROGRESSING, DEGRADED, FITS)
 
 
 @dataclass(frozen=True)
@@ -229,6 +230,7 @@ def compute_status(
         f"engines: {engines.message}; gateways: {gateways.message}",
     )
     degraded = _degraded(observed.reconcile_error, engines, gateways)
+    fit = assess_fit(m3d)
     previous_conditions = {c["type"]: c for c in previous.get("conditions", []) if "type" in c}
     fresh = [
         ready_condition,
@@ -236,6 +238,7 @@ def compute_status(
         _condition(GATEWAY_READY, gateways.ready, gateways.reason, gateways.message),
         progressing,
         degraded,
+        {"type": FITS, "status": fit.status, "reason": fit.reason, "message": fit.message},
         *_autoscaling_condition(m3d),
     ]
     conditions, transitions = _stamp(fresh, previous_conditions, observed_generation, now)
@@ -292,7 +295,8 @@ def _stamp(
             "observedGeneration": observed_generation,
         }
         conditions.append(stamped)
-        if changed and condition["type"] in EVENT_CONDITIONS and (before is not None or condition["status"] == "True"):
+        first_news = condition["status"] == ("False" if condition["type"] == FITS else "True")
+        if changed and condition["type"] in EVENT_CONDITIONS and (before is not None or first_news):
             transitions.append(
                 Transition(condition["type"], condition["status"], condition["reason"], condition["message"])
             )

@@ -51,6 +51,11 @@ class WorkQueue:
         self._wakeup.set()
 
     @property
+    def depth(self) -> int:
+        """Resources waiting for work (not those being worked on)."""
+        return len(self._pending)
+
+    @property
     def idle(self) -> bool:
         return not self._pending and not self._running
 

@@ -20,6 +20,17 @@ echo "== k8s test binaries"
 # arguments name only paths outside tests/k8s.
 if ! bash tests/k8s/infra/build --for-pytest "$@" >/dev/null; then status=1; fi
 
+echo "== real-node pieces and images"
+# tests/k8s/realnode runs pods on a real node (tests/k8s/README.md): CoreDNS, Traefik and the pause binary from
+# Go modules (about 25 minutes once, cached), and this tree's engine, gateway and operator images
+# (`scripts/dev images`: about 2 minutes after a code change, seconds when nothing changed). Skipped when the
+# arguments name only paths outside tests/k8s/realnode; the node itself needs root (CI runs as root).
+if node_dir=$(bash tests/k8s/infra/build --node --for-pytest "$@"); then
+  if [[ -n $node_dir ]] && ! scripts/dev images >/dev/null; then status=1; fi
+else
+  status=1
+fi
+
 echo "== pytest"
 workers=${M3STACK_TEST_WORKERS:-auto}
 # tests/gpu is the GPU suite: it needs CUDA and runs on the H200 through bench/gpu_suite.py.

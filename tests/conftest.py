@@ -18,6 +18,28 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
+# Tests that must share one xdist worker, by path (they share one real Kubernetes node and its two cores).
+# Not by `xdist_group` marks: with pytest 9.2 and xdist 3.8 the workers' group suffix is lost (xdist writes
+# Item._nodeid, which pytest 9.2 no longer reads), so --dist loadgroup spreads marked tests over workers.
+SAME_WORKER_PATHS = {"tests/k8s/realnode/": "real-node"}
+
+
+def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object | None:
+    """--dist loadgroup, with the SAME_WORKER_PATHS groups applied on the controller from node ids."""
+    if config.getvalue("dist") != "loadgroup":
+        return None
+    from xdist.scheduler import LoadGroupScheduling
+
+    class PathGroupScheduling(LoadGroupScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            for prefix, group in SAME_WORKER_PATHS.items():
+                if nodeid.startswith(prefix):
+                    return group
+            return super()._split_scope(nodeid)
+
+    return PathGroupScheduling(config, log)
+
+
 @pytest.fixture(autouse=True)
 def normal_cpu_scheduling():
     """Fails a test that leaves its thread on a real-time scheduling policy, and puts SCHED_OTHER back.

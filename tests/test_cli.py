@@ -31,6 +31,13 @@ def test_bad_flag_value_exits_2_with_a_clear_message():
     assert "--port" in result.stderr and "1..65535" in result.stderr
 
 
+@pytest.mark.parametrize("flag", ["--index-dtype", "--kv-cache-dtype"])
+def test_a_cache_dtype_the_engine_cannot_store_exits_2_naming_the_choices(flag):
+    result = _m3stack("engine", flag, "fp16")
+    assert result.returncode == 2
+    assert flag in result.stderr and "fp8_e4m3" in result.stderr
+
+
 def test_bad_environment_value_exits_2_naming_the_variable():
     result = _m3stack("gateway", env={"M3STACK_GATEWAY_PORT": "http"})
     assert result.returncode == 2

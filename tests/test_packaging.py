@@ -12,7 +12,7 @@ def _python(code: str, cwd, env=None) -> subprocess.CompletedProcess:
 
 def test_gateway_and_operator_never_import_torch(repo_root):
     code = (
-        "import sys, m3stack.gateway, m3stack.operator, m3stack.engine.proto.engine_pb2_grpc, m3stack.cli;"
+        "import sys, m3stack.gateway, m3stack.operator, m3stack.proto.engine_pb2_grpc, m3stack.cli;"
         "m3stack.cli.build_parser();"
         "import m3stack.gateway.cli, m3stack.operator.cli;"
         "assert 'torch' not in sys.modules, 'torch was imported'"
@@ -67,19 +67,27 @@ def test_editable_install_maps_components_and_keeps_stdlib_operator(repo_root, t
     (site_packages,) = prefix.glob("lib/python*/site-packages")
     code = (
         f"import site; site.addsitedir({str(site_packages)!r});"
-        "import m3stack.engine.proto, m3stack.gateway, m3stack.operator.cli, m3stack.cli, operator;"
-        "print(m3stack.engine.proto.__file__); print(m3stack.operator.cli.__file__); print(operator.__file__)"
+        "import m3stack.engine, m3stack.proto, m3stack.gateway, m3stack.operator.cli, m3stack.cli, operator;"
+        "print(m3stack.engine.__file__); print(m3stack.proto.__file__); print(m3stack.operator.cli.__file__);"
+        "print(operator.__file__)"
     )
     # -I: ignore PYTHONPATH, so only the editable install can provide m3stack.
     result = subprocess.run([sys.executable, "-I", "-c", code], cwd=tmp_path, capture_output=True, text=True)
     assert result.returncode == 0, result.stderr
-    engine_proto, operator_cli, stdlib_operator = result.stdout.splitlines()
-    assert engine_proto.startswith(str(checkout / "engine"))
+    engine, proto, operator_cli, stdlib_operator = result.stdout.splitlines()
+    assert engine == str(checkout / "engine" / "__init__.py")
+    assert proto == str(checkout / "m3stack" / "proto" / "__init__.py")
     assert operator_cli == str(checkout / "operator" / "cli.py")
     assert not stdlib_operator.startswith(str(checkout))
 
 
 def test_wheel_holds_every_component(repo_root, tmp_path):
+    # Built from a copy: setuptools writes m3stack.egg-info and build/ beside the sources, and a
+    # half-written egg-info in the repository root (on every test's PYTHONPATH) breaks the pip
+    # runs of other tests in parallel ("Invalid version: None").
+    checkout = tmp_path / "checkout"
+    _copy_sources(repo_root, checkout)
+    wheels = tmp_path / "wheels"
     result = subprocess.run(
         [
             sys.executable,
@@ -90,19 +98,19 @@ def test_wheel_holds_every_component(repo_root, tmp_path):
             "--no-deps",
             "--no-build-isolation",
             "-w",
-            str(tmp_path),
-            str(repo_root),
+            str(wheels),
+            str(checkout),
         ],
         capture_output=True,
         text=True,
     )
     assert result.returncode == 0, result.stderr
-    (wheel,) = tmp_path.glob("m3stack-*.whl")
+    (wheel,) = wheels.glob("m3stack-*.whl")
     names = set(zipfile.ZipFile(wheel).namelist())
     for expected in (
         "m3stack/cli.py",
-        "m3stack/engine/proto/engine.proto",
-        "m3stack/engine/proto/engine_pb2.py",
+        "m3stack/proto/engine.proto",
+        "m3stack/proto/engine_pb2.py",
         "m3stack/gateway/cli.py",
         "m3stack/operator/cli.py",
     ):

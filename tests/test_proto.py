@@ -6,14 +6,14 @@ import pytest
 from google.protobuf import descriptor_pb2
 from google.protobuf.message import Message
 
-from m3stack.engine.proto import engine_pb2, engine_pb2_grpc, generate
+from m3stack.proto import engine_pb2, engine_pb2_grpc, generate
 
 
 def test_committed_stubs_match_the_proto(tmp_path):
     for fresh in generate.generate(tmp_path):
         committed = generate.PROTO_DIR / fresh.name
         assert filecmp.cmp(fresh, committed, shallow=False), (
-            f"{committed.name} is stale: run `python -m m3stack.engine.proto.generate`"
+            f"{committed.name} is stale: run `python -m m3stack.proto.generate`"
         )
 
 
@@ -31,7 +31,15 @@ def _fill(message: Message, depth: int = 0) -> None:
                 continue
             filled_oneofs.add(oneof.name)
         value = _sample_value(field, depth)
-        if field.is_repeated:
+        if field.message_type is not None and field.message_type.GetOptions().map_entry:
+            key_field, value_field = (
+                field.message_type.fields_by_name["key"],
+                field.message_type.fields_by_name["value"],
+            )
+            container = getattr(message, field.name)
+            for offset in (0, 1):
+                container[_sample_value(key_field, depth + offset)] = _sample_value(value_field, depth)
+        elif field.is_repeated:
             container = getattr(message, field.name)
             if field.message_type is not None:
                 _fill(container.add(), depth + 1)

@@ -1,4 +1,4 @@
-"""Agentic serving benchmark: closed-loop gRPC clients against the real engine server, four engine configs.
+"""Agentic serving benchmark: closed-loop gRPC clients against the real engine server, five engine configs.
 
 The engine is built in this process around one random-weight model (M3 attention dims, ``--layers`` layers,
 dense MLPs: ``bench.engine_step.build_model``; ``--model tiny`` takes the embedded tiny checkpoint for CPU
@@ -10,7 +10,9 @@ clients run in a spawned process of their own.  The configs differ only in their
 * ``b``: the same engine with every layer dense (``attention="dense"``);
 * ``c``: the naive MSA path (``attention="naive"``: reference gather + query-major, plain PyTorch);
 * ``d``: ``a`` with CPU KV offload: a pinned host pool and ``--offload-device-blocks`` device blocks (default:
-  the prefix + half the largest point's own blocks + one hot buffer).
+  the prefix + half the largest point's own blocks + one hot buffer);
+* ``e``: ``a`` over fp8 caches (``--index-dtype fp8_e4m3 --kv-cache-dtype fp8_e4m3``), only when ``--configs``
+  names it: FP8 rows beside bf16 ones in the same run.
 
 Workload (agentic shape): one shared prefix (``--prefix-tokens``), a unique suffix per request
 (``--suffix-tokens``), ``--output-tokens`` greedy tokens with ``ignore_eos``.  Per config: an untimed warm-up
@@ -23,7 +25,7 @@ buffer it must lease (``engine.offload.tiered_manager``; ``extra["offload"]`` sa
 2K suffixes they do not, so ``d``'s device pressure shows as preemptions.  ``--long-context`` adds one
 request with a very long prompt per ``--long-configs`` config: prefill time, decode tok/s with CUDA graphs for
 the first half of its tokens, then eagerly (the offload's copies are timed only in eager steps), offload
-counters.  ``extra`` holds the ratios a/c, a/b, d/a per concurrency, the targets, and greedy agreement.
+counters.  ``extra`` holds the ratios a/c, a/b, d/a, e/a, e/b per concurrency, the targets, and greedy agreement.
 
 Budget: ``--budget-s`` wall seconds from the start.  Each config (a long run counts half, ``--weights`` changes a
 config's share: the naive ``c`` needs several) gets its share of what is left; a point whose predicted time does
@@ -48,10 +50,10 @@ import time
 from pathlib import Path
 
 from bench.common import RESULTS_DIR
-from bench.serving.engine import CONFIGS, load_model
+from bench.serving.engine import load_model
 from bench.serving.report import agreement, ratios, svg_plot, tables, target_report
 from bench.serving.runner import run_units
-from bench.serving.state import FINAL_S, Bench
+from bench.serving.state import CONFIGS, DEFAULT_CONFIGS, FINAL_S, Bench
 from bench.serving.workload import Workload
 
 logger = logging.getLogger("bench.serving")
@@ -101,7 +103,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="m3dims: random bf16 weights at M3 attention dims; tiny: the embedded tiny checkpoint",
     )
     p.add_argument("--layers", type=int, default=8, help="m3dims layers (one dense-attention layer, then MSA)")
-    p.add_argument("--configs", type=_config_list, default=list(CONFIGS), help="a,b,c,d (run in this order)")
+    p.add_argument("--configs", type=_config_list, default=list(DEFAULT_CONFIGS),
+                   help="of a,b,c,d,e (e: a over fp8 caches), run in this order (default a,b,c,d)")  # fmt: skip
     p.add_argument("--concurrency", type=_int_list, default=[1, 2, 4, 8, 16, 32, 64])
     p.add_argument("--prefix-tokens", type=int, default=60_000)
     p.add_argument("--suffix-tokens", type=int, default=2048)
@@ -174,15 +177,17 @@ def run(argv: list[str] | None = None) -> Bench:
                        args.msa_attention)  # fmt: skip
     asyncio.run(run_units(bench))
     bench.extra["ratios"] = {"a_over_c": ratios(bench.rows, "a", "c"), "a_over_b": ratios(bench.rows, "a", "b"),
-                             "d_over_a": ratios(bench.rows, "d", "a")}  # fmt: skip
+                             "d_over_a": ratios(bench.rows, "d", "a"), "e_over_a": ratios(bench.rows, "e", "a"),
+                             "e_over_b": ratios(bench.rows, "e", "b")}  # fmt: skip
     long = {r["config"]: r.get("decode_tok_s") for r in bench.rows if r.get("phase") == "long"}
     if long.get("d") and long.get("a"):
         bench.extra["ratios"]["long_decode_d_over_a"] = long["d"] / long["a"]
     bench.extra["targets"] = target_report(bench.rows, workload, args.concurrency)
-    # Same prompts, greedy: c and d should give a's tokens up to bf16 near ties (b attends every token: it differs).
+    # Same prompts, greedy: c and d should give a's tokens up to bf16 near ties (b attends every token: it differs);
+    # e's fp8 caches move them further (tests/engine/model/test_fp8_cache.py says by how much).
     bench.extra["greedy_agreement"] = {
         f"{name}_vs_a": agreement(bench.tokens.get("a", {}), tokens) for name, tokens in bench.tokens.items()
-        if name in ("c", "d")
+        if name in ("c", "d", "e")
     }  # fmt: skip
     bench.extra["plot"] = _write_plot(bench)
     bench.save()

@@ -17,9 +17,9 @@ from multiprocessing.connection import Connection
 import grpc
 
 from bench.serving.workload import Workload
-from m3stack.engine.proto import engine_pb2 as pb
-from m3stack.engine.proto import engine_pb2_grpc
-from m3stack.gateway.engines.client import CHANNEL_OPTIONS
+from m3stack.gateway.engine_client.client import CHANNEL_OPTIONS
+from m3stack.proto import engine_pb2 as pb
+from m3stack.proto import engine_pb2_grpc
 
 logger = logging.getLogger("bench.serving")
 

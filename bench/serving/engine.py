@@ -1,6 +1,7 @@
-"""The engines under test: configs a/b/c/d, the benchmark model, and an ``EngineCore`` served by the real gRPC
-server on loopback.  torch and the engine are imported where they are used, as in the whole package: the clients'
-process must not import them, and the budget clock starts before torch's import (``bench.serving.cli.run``)."""
+"""The engines under test: the benchmark model, the ``EngineCore`` of each config (``state.CONFIGS``), and an
+``EngineCore`` served by the real gRPC server on loopback.  torch and the engine are imported where they are used,
+as in the whole package: the clients' process must not import them, and the budget clock starts before torch's
+import (``bench.serving.cli.run``)."""
 
 from __future__ import annotations
 
@@ -13,24 +14,18 @@ from typing import TYPE_CHECKING
 
 import grpc
 
-from m3stack.engine.proto import engine_pb2_grpc
-from m3stack.gateway.engines.client import CHANNEL_OPTIONS
+from m3stack.gateway.engine_client.client import CHANNEL_OPTIONS
+from m3stack.proto import engine_pb2_grpc
 
 if TYPE_CHECKING:
     import torch
 
     from bench.serving.state import Bench
+    from m3stack.engine.assembly.config import EngineConfig
     from m3stack.engine.model.config import M3Config
     from m3stack.engine.model.model import M3ForServing
-    from m3stack.engine.runtime.config import EngineConfig
     from m3stack.engine.runtime.engine_core import EngineCore, EngineStats
 
-CONFIGS = {  # name -> (attention, CPU KV offload)
-    "a": ("msa", False),
-    "b": ("dense", False),
-    "c": ("naive", False),
-    "d": ("msa", True),
-}
 STATS_PERIOD_S = 0.26  # the offload copies its device counters to the host at most every 0.25 s (engine.offload)
 
 
@@ -57,7 +52,7 @@ def load_model(args: argparse.Namespace, device: torch.device, max_len: int
 
 
 def build_core(bench: Bench, config: EngineConfig) -> EngineCore:
-    from m3stack.engine.runtime.builder import assemble_engine_core
+    from m3stack.engine.assembly.core import assemble_engine_core
 
     core = assemble_engine_core(config, bench.model, bench.m3, model_path=bench.extra["model"], device=bench.device,
                                 dtype=bench.dtype)  # fmt: skip

@@ -29,7 +29,13 @@ from bench.serving.workload import Workload
 
 logger = logging.getLogger("bench.serving.merge")
 
-PAIRS = (("a_over_c", "a", "c"), ("a_over_b", "a", "b"), ("d_over_a", "d", "a"))
+PAIRS = (
+    ("a_over_c", "a", "c"),
+    ("a_over_b", "a", "b"),
+    ("d_over_a", "d", "a"),
+    ("e_over_a", "e", "a"),
+    ("e_over_b", "e", "b"),
+)
 
 
 def _engine_stream(payload: dict[str, Any]) -> str:

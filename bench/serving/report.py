@@ -101,7 +101,7 @@ def agreement(reference: dict[str, list[int]], other: dict[str, list[int]]) -> d
 
 # --- plot and tables ----------------------------------------------------------------------------------------------
 
-_COLORS = {"a": "#1f77b4", "b": "#ff7f0e", "c": "#2ca02c", "d": "#d62728"}
+_COLORS = {"a": "#1f77b4", "b": "#ff7f0e", "c": "#2ca02c", "d": "#d62728", "e": "#9467bd"}
 _PANELS = (("output tok/s", "output_tok_s"), ("TTFT p50 (ms)", "ttft_p50_ms"), ("ITL p50 (ms)", "itl_p50_ms"))
 
 

@@ -14,9 +14,9 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from bench.serving.client import ClientProcess, RequestResult, describe_error, progress, stream_request
-from bench.serving.engine import CONFIGS, ServedEngine, build_core, free_device_memory
+from bench.serving.engine import ServedEngine, build_core, free_device_memory
 from bench.serving.report import decode_rate, offload_delta, summarize
-from bench.serving.state import Bench
+from bench.serving.state import CONFIGS, Bench
 from bench.serving.workload import random_ids, requests_per_point
 from m3stack.engine import kernel_compiles
 

@@ -13,9 +13,8 @@ from typing import TYPE_CHECKING, Any
 
 from bench.common import write_results
 from bench.serving.client import ClientProcess
-from bench.serving.engine import CONFIGS
 from bench.serving.workload import Workload
-from m3stack.engine.runtime.config import EngineConfig
+from m3stack.engine.assembly.config import EngineConfig
 
 if TYPE_CHECKING:
     import torch
@@ -26,6 +25,15 @@ if TYPE_CHECKING:
 logger = logging.getLogger("bench.serving")
 
 FINAL_S = 2.0  # kept back from the whole budget: the last write
+CONFIGS = {  # name -> (attention, CPU KV offload, fp8 k-index and KV cache)
+    "a": ("msa", False, False),
+    "b": ("dense", False, False),
+    "c": ("naive", False, False),
+    "d": ("msa", True, False),
+    "e": ("msa", False, True),  # a with --index-dtype fp8_e4m3 --kv-cache-dtype fp8_e4m3
+}
+# What a run measures unless --configs says otherwise.
+DEFAULT_CONFIGS = ["a", "b", "c", "d"]
 
 
 @dataclasses.dataclass
@@ -70,7 +78,7 @@ class Bench:
 
     def hot_blocks(self) -> int:
         """Device pages of one request's hot buffer (engine.offload's default)."""
-        from m3stack.engine.offload.assembly import OffloadSettings, resolve_hot_blocks
+        from m3stack.engine.assembly.offload import OffloadSettings, resolve_hot_blocks
 
         return resolve_hot_blocks(OffloadSettings(1.0), self.m3.text)
 
@@ -87,7 +95,9 @@ class Bench:
                             max_num_seqs=max_num_seqs, max_num_batched_tokens=self.args.max_num_batched_tokens,
                             max_model_len=max_model_len, num_kv_blocks=device_blocks, attention=self.attention(name),
                             kv_offload_gb=offload_gb, seed=self.args.seed,
-                            msa_shared_page_scan=self.args.shared_page_scan)  # fmt: skip
+                            msa_shared_page_scan=self.args.shared_page_scan,
+                            index_dtype="fp8_e4m3" if CONFIGS[name][2] else "auto",
+                            kv_cache_dtype="fp8_e4m3" if CONFIGS[name][2] else "auto")  # fmt: skip
 
     def attention(self, name: str) -> str:
         attention = CONFIGS[name][0]

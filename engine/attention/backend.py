@@ -4,7 +4,7 @@ from typing import Protocol
 
 import torch
 
-from m3stack.engine.attention.metadata import AttentionMetadata
+from m3stack.engine.kv_cache.metadata import AttentionMetadata
 
 
 class AttentionBackend(Protocol):
@@ -34,3 +34,32 @@ class AttentionBackend(Protocol):
     ) -> torch.Tensor:
         """MSA (``minimax_m3_sparse`` layers): index scores, block top-k, block-sparse attention."""
         ...
+
+
+class DelegatingBackend:
+    """An ``AttentionBackend`` that hands every call to ``inner``: the base of backends that change one thing
+    (``dense_only.DenseOnlyAttention``, the parallel engine's ``RecordingBackend``) and pass the rest through."""
+
+    def __init__(self, inner: AttentionBackend) -> None:
+        self.inner = inner
+
+    @property
+    def supports_cuda_graphs(self) -> bool:
+        return bool(getattr(self.inner, "supports_cuda_graphs", False))
+
+    def begin_step(self, metadata: AttentionMetadata) -> None:
+        self.inner.begin_step(metadata)
+
+    def dense(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return self.inner.dense(layer, q, k, v)
+
+    def sparse(
+        self,
+        layer: int,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        index_q: torch.Tensor,
+        index_k: torch.Tensor,
+    ) -> torch.Tensor:
+        return self.inner.sparse(layer, q, k, v, index_q, index_k)

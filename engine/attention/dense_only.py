@@ -9,8 +9,7 @@ import dataclasses
 
 import torch
 
-from m3stack.engine.attention.backend import AttentionBackend
-from m3stack.engine.attention.metadata import AttentionMetadata
+from m3stack.engine.attention.backend import DelegatingBackend
 from m3stack.engine.kv_cache.tensors import KVCacheSpec
 
 
@@ -19,21 +18,8 @@ def dense_kv_spec(spec: KVCacheSpec) -> KVCacheSpec:
     return dataclasses.replace(spec, sparse_layers=(False,) * spec.num_layers)
 
 
-class DenseOnlyAttention:
+class DenseOnlyAttention(DelegatingBackend):
     """``AttentionBackend`` that runs ``inner.dense`` for every layer, MSA layers included."""
-
-    def __init__(self, inner: AttentionBackend) -> None:
-        self.inner = inner
-
-    @property
-    def supports_cuda_graphs(self) -> bool:
-        return bool(getattr(self.inner, "supports_cuda_graphs", False))
-
-    def begin_step(self, metadata: AttentionMetadata) -> None:
-        self.inner.begin_step(metadata)
-
-    def dense(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        return self.inner.dense(layer, q, k, v)
 
     def sparse(
         self,

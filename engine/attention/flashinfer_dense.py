@@ -11,7 +11,7 @@ requests may be planned.
 import numpy as np
 import torch
 
-from m3stack.engine.attention.metadata import AttentionMetadata
+from m3stack.engine.kv_cache.metadata import AttentionMetadata
 
 # Head dims FlashInfer's SM90 prefill kernels are instantiated for (a static_assert in prefill_sm90.cuh);
 # other sizes (the tiny model's 32) take the Triton paths.

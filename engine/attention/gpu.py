@@ -4,7 +4,8 @@ Per step, ``begin_step`` plans on the host from host-known lengths (never waitin
 per layer, the new keys go into the paged cache (``msa.store``) and then:
 
 * dense layers: FlashInfer paged decode (every request adds one token) or paged prefill (causal,
-  HND, page = block), or the Triton split-K kernel of ``msa.paged_attention`` without FlashInfer;
+  HND, page = block), or the Triton split-K kernel of ``msa.paged_attention`` without FlashInfer
+  (pure-decode rows sliced by their own length: a CUDA-graph replay gives the eager step's result);
 * MSA layers, decode-like steps (at most ``MAX_DECODE_COLUMNS / Hkv`` new tokens per request): the
   decode indexer (``msa.decode_index``) writes each row's selected pages straight into the page
   list the Triton kernel (or FlashInfer) reads (``msa.decode_attention``); in pure-decode steps the
@@ -30,20 +31,21 @@ import numpy as np
 import torch
 
 from m3stack.engine.attention.flashinfer_dense import FLASHINFER_HEAD_DIMS, FlashInferDense
-from m3stack.engine.attention.metadata import AttentionMetadata
 from m3stack.engine.host_copy import upload
-from m3stack.engine.kv_cache.tensors import LayerKVCache
+from m3stack.engine.kv_cache.metadata import AttentionMetadata
+from m3stack.engine.kv_cache.tensors import FP8_KV_DTYPE, LayerKVCache
 from m3stack.engine.msa.decode_attention import (
     WORKSPACE_BYTES,
     FlashInferSparseDecode,
     flashinfer_available,
     sparse_decode_attention,
 )
-from m3stack.engine.msa.decode_index import MAX_DECODE_COLUMNS, NewKeys, decode_index_topk
+from m3stack.engine.msa.decode_fused import select_and_attend
+from m3stack.engine.msa.decode_index import MAX_DECODE_COLUMNS, NewKeys, decode_index_topk, scan_index_pages
 from m3stack.engine.msa.decode_plan import DecodePlanBuffers, SparseDecodePlan, SparseDecodeShape, plan_sparse_decode
 from m3stack.engine.msa.decode_tuning import DecodeTuning
 from m3stack.engine.msa.launch import use_triton
-from m3stack.engine.msa.paged_attention import PageRows, paged_attention
+from m3stack.engine.msa.paged_attention import PageRows, decode_slicing, paged_attention
 from m3stack.engine.msa.prefill_attention import sparse_prefill
 from m3stack.engine.msa.prefill_index import prefill_index_topk
 from m3stack.engine.msa.store import store_kv
@@ -228,7 +230,7 @@ class GpuAttentionBackend:
         metadata = self._metadata
         if metadata is None:
             raise RuntimeError("begin_step(metadata) must be called before the first layer")
-        if q.dtype != self.kv_caches[layer].key.dtype:
+        if self.kv_caches[layer].key.dtype not in (q.dtype, FP8_KV_DTYPE):
             raise ValueError(f"q is {q.dtype} but layer {layer}'s cache holds {self.kv_caches[layer].key.dtype}")
         if self._step is None:
             self._step = self._plan(metadata, q.shape[1])
@@ -245,6 +247,10 @@ class GpuAttentionBackend:
             return torch.empty_like(q)
         if step.dense_flashinfer is not None:
             return step.dense_flashinfer.run(q, cache.key, cache.value)
+        if step.slot is not None:  # pure decode: each row sliced by its own length, so a graph replay = eager
+            pages_per_split, row_slices = decode_slicing(cache.key.shape[2])
+            return paged_attention(q, cache.key, cache.value, step.dense_rows, q.shape[-1] ** -0.5,
+                                   pages_per_split=pages_per_split, row_slices=row_slices)  # fmt: skip
         return paged_attention(q, cache.key, cache.value, step.dense_rows, q.shape[-1] ** -0.5)
 
     def sparse(
@@ -269,14 +275,24 @@ class GpuAttentionBackend:
         scale = q.shape[-1] ** -0.5
         if step.decode is not None:
             new_keys = NewKeys(cache, metadata.slot_mapping, k, v, index_k) if scan_stores else None
-            scan = tuning.scan_for(metadata.num_requests, cache.index_key.dtype == torch.float8_e4m3fn)
-            decode_index_topk(index_q, cache.index_key, metadata, step.decode, scan, new_keys)
+            fp8_index = cache.index_key.dtype == torch.float8_e4m3fn
+            # Offload resolves the selected pages and FlashInfer reads them between merge and attention.
+            selects = (tuning.selects_in_attention(metadata.num_requests) and self.offload is None
+                       and step.sparse_flashinfer is None)  # fmt: skip
+            scan = tuning.scan_for(metadata.num_requests, fp8_index, unmerged=selects)
+            if selects:
+                unmerged = scan_index_pages(index_q, cache.index_key, metadata, step.decode, scan, new_keys,
+                                            cache.index_key_scale)  # fmt: skip
+                return select_and_attend(q, cache.key, cache.value, unmerged, metadata, step.decode, scale,
+                                         tuning.triton_attention)  # fmt: skip
+            decode_index_topk(index_q, cache.index_key, metadata, step.decode, scan, new_keys, cache.index_key_scale)
             if self.offload is not None:
                 self.offload.resolve_decode(layer, step.decode, metadata)
             return sparse_decode_attention(q, cache.key, cache.value, step.decode, metadata.positions,
                                            metadata.page_table, scale, step.sparse_flashinfer,
                                            triton_config=tuning.triton_attention)  # fmt: skip
-        selection = prefill_index_topk(index_q, cache.index_key, metadata, self.topk_blocks, self.local_blocks)
+        selection = prefill_index_topk(index_q, cache.index_key, metadata, self.topk_blocks, self.local_blocks,
+                                       index_key_scale=cache.index_key_scale)  # fmt: skip
         if self.offload is not None:
             return self.offload.sparse_prefill(layer, q, selection, metadata, scale)
         return sparse_prefill(q, cache.key, cache.value, selection, metadata, scale)

@@ -18,8 +18,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from m3stack.engine.attention.metadata import AttentionMetadata
-from m3stack.engine.kv_cache.tensors import LayerKVCache
+from m3stack.engine.kv_cache.metadata import AttentionMetadata
+from m3stack.engine.kv_cache.tensors import LayerKVCache, dequantize_index_keys
 from m3stack.engine.msa.reference import dense_causal_attention, index_block_topk, sparse_attention
 from m3stack.engine.msa.store import store_kv
 
@@ -105,7 +105,9 @@ class ReferenceAttentionBackend:
         for row, request in enumerate(self._requests):
             offloaded = self.offload is not None and self.offload.has_host_blocks(row)
             keys, values = (None, None) if offloaded else self._gather_kv(cache, request)
-            index_keys = cache.index_key[request.pages].flatten(0, 1)[: request.seq_len]
+            scales = None if cache.index_key_scale is None else cache.index_key_scale[request.pages].flatten(0, 1)
+            index_keys = cache.index_key[request.pages].flatten(0, 1)
+            index_keys = dequantize_index_keys(index_keys, scales)[: request.seq_len]
             for rows, local in _row_slices(request, q.shape[1]):
                 positions = request.q_positions[local]
                 selected = index_block_topk(

@@ -5,9 +5,14 @@ at this rank's sizes, built on the meta device and materialized once on the targ
 only its shard.  Only rank 0 keeps the vision tower and projector.  ``load_sharded_model`` validates the whole
 checkpoint against config.json from the headers (``engine.model.loader.scan_checkpoint``, as one GPU does), then
 reads from each tensor only the rows or columns this rank owns (safetensors slices: the rest is never read).
+
+An MXFP8 checkpoint's scales (``<name>_scale_inv``, one byte per 32 inputs) go with their weights: the same
+rows, and a column slice ``a:b`` of the weight is ``a/32:b/32`` of its scales, so a split that cuts a 32-input
+block is refused (``ShardingError``) before anything is read.
 """
 
 import logging
+from collections.abc import Collection
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -16,12 +21,13 @@ from safetensors import safe_open
 from tqdm import tqdm
 
 from m3stack.engine.distributed.layers import ReducedAttention, ReducedGatedMLP, ShardedMoE, VocabParallelLMHead
-from m3stack.engine.distributed.sharding import ShardPlan, Span
+from m3stack.engine.distributed.sharding import ShardingError, ShardPlan, Span
 from m3stack.engine.kv_cache.tensors import KVCacheSpec
 from m3stack.engine.model.config import M3Config, load_config
 from m3stack.engine.model.loader import scan_checkpoint
 from m3stack.engine.model.model import M3ForServing
-from m3stack.engine.model.rope import inverse_frequencies
+from m3stack.engine.model.mxfp8 import quantize_parameters
+from m3stack.engine.model.quantization import BLOCK_SIZE, SCALE_SUFFIX
 from m3stack.engine.model.weights import CheckpointTensor
 
 logger = logging.getLogger(__name__)
@@ -30,7 +36,14 @@ Index = tuple[int | slice, ...]
 
 
 class ShardedM3(M3ForServing):
-    def __init__(self, config: M3Config, plan: ShardPlan, dtype: torch.dtype, device: torch.device | str) -> None:
+    def __init__(
+        self,
+        config: M3Config,
+        plan: ShardPlan,
+        dtype: torch.dtype,
+        device: torch.device | str,
+        quantized: Collection[str] = (),
+    ) -> None:
         super().__init__(config, dtype, "meta")
         self.plan = plan
         text = config.text
@@ -56,12 +69,8 @@ class ShardedM3(M3ForServing):
         if not plan.is_leader:
             self.vision = None
             self.projector = None
-        self.to_empty(device=device)
-        # to_empty leaves buffers uninitialized: recompute the RoPE frequencies where they live now.
-        self.inv_freq = inverse_frequencies(text.rotary_dim, text.rope_theta).to(device)
-        if self.vision is not None:
-            vision = config.vision
-            self.vision.inv_freq = inverse_frequencies(vision.rotary_axis_dim, vision.rope_theta).to(device)
+        quantize_parameters(self, quantized)  # this rank's shapes of the MXFP8 parameters, with their scales
+        self.materialize(device)
         if text.tie_word_embeddings:
             rows = self.embed_tokens.weight[plan.vocab.start : plan.vocab.stop]
             self.lm_head.weight = torch.nn.Parameter(rows, requires_grad=False)
@@ -97,6 +106,8 @@ def _fused_half(target: Index, local_rows: int, index: int | None = None) -> Ind
 
 def shard_piece(spec: CheckpointTensor, plan: ShardPlan, config: M3Config) -> Piece | None:
     """What rank ``plan.rank`` reads of ``spec``; None when it holds none of it."""
+    if spec.param.endswith(SCALE_SUFFIX):
+        return _scale_piece(spec, plan, config)
     param, text = spec.param, config.text
     if param.startswith(("vision.", "projector.")):
         return Piece((), param, spec.index) if plan.is_leader else None
@@ -123,6 +134,38 @@ def shard_piece(spec: CheckpointTensor, plan: ShardPlan, config: M3Config) -> Pi
     if param.endswith("gate_up_proj.weight"):
         return Piece((_rows(rows),), param, _fused_half(spec.index, rows.size))
     return Piece((slice(None), _rows(rows)), param, ())
+
+
+def _scale_piece(spec: CheckpointTensor, plan: ShardPlan, config: M3Config) -> Piece | None:
+    """An MXFP8 scale tensor's piece: its weight's, with the input (last) dimension's slice in 32-input blocks."""
+    weight = replace(
+        spec,
+        name=spec.name.removesuffix(SCALE_SUFFIX),
+        shape=(*spec.shape[:-1], spec.shape[-1] * BLOCK_SIZE),
+        param=spec.param.removesuffix(SCALE_SUFFIX),
+    )
+    piece = shard_piece(weight, plan, config)
+    if piece is None:
+        return None
+    expert_stack = bool(spec.index) and isinstance(spec.index[0], int)  # [E, N, K] rather than [N, K]
+    return Piece(
+        _in_blocks(piece.source, len(spec.shape), weight.name),
+        spec.param,
+        _in_blocks(piece.target, 3 if expert_stack else 2, weight.name),
+    )
+
+
+def _in_blocks(index: Index, ndim: int, name: str) -> Index:
+    """``index`` over a weight of ``ndim`` dimensions, its slice of the last one counted in scale blocks."""
+    if len(index) < ndim or not isinstance(index[-1], slice) or index[-1] == slice(None):
+        return index
+    start, stop = index[-1].start or 0, index[-1].stop
+    if start % BLOCK_SIZE or (stop is not None and stop % BLOCK_SIZE):
+        raise ShardingError(
+            f"{name}: this split gives a rank inputs {start}:{stop}, which cut its MXFP8 scale blocks of "
+            f"{BLOCK_SIZE}; choose a --tensor-parallel (or --expert-parallel) that keeps whole blocks"
+        )
+    return (*index[:-1], slice(start // BLOCK_SIZE, None if stop is None else stop // BLOCK_SIZE))
 
 
 def _attention_rows(spec: CheckpointTensor, plan: ShardPlan, config: M3Config) -> Piece:
@@ -155,7 +198,9 @@ def load_sharded_model(
 ) -> tuple[ShardedM3, M3Config]:
     config = load_config(path)
     scan = scan_checkpoint(path, config)
-    model = ShardedM3(config, plan, dtype, device)
+    # Every piece before any read: a split the checkpoint's layout refuses fails before loading.
+    pieces = {spec.name: shard_piece(spec, plan, config) for specs in scan.files.values() for spec in specs}
+    model = ShardedM3(config, plan, dtype, device, quantized=scan.quantized)
     params = dict(model.named_parameters(remove_duplicate=False))
     read = 0
     with (
@@ -165,7 +210,7 @@ def load_sharded_model(
         for file, specs in scan.files.items():
             with safe_open(str(file), framework="pt") as reader:
                 for spec in specs:
-                    piece = shard_piece(spec, plan, config)
+                    piece = pieces[spec.name]
                     bar.update()
                     if piece is None:
                         continue

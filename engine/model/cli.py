@@ -2,8 +2,9 @@
 
 ``m3stack model init-tiny [DIR]`` writes the tiny random-weight default model (its outputs are random tokens);
 without DIR it fills the shared cache (``$M3STACK_CACHE/models/tiny-<version>``, what ``--model default`` uses)
-and prints that folder.  ``m3stack model inspect DIR`` validates a checkpoint against its config.json from the
-safetensors headers alone (no weights are read) and summarizes the architecture.
+and prints that folder; ``--no-weights`` leaves out the weights (no torch needed): the gateway image's copy.
+``m3stack model inspect DIR`` validates a checkpoint against its config.json from the safetensors headers alone
+(no weights are read) and summarizes the architecture.
 """
 
 import argparse
@@ -21,6 +22,11 @@ def add_arguments(opts: OptionGroup) -> None:
     opts.parser.add_argument(
         "path", nargs="?", default=None, help="checkpoint folder (init-tiny default: the shared cache)"
     )
+    opts.parser.add_argument(
+        "--no-weights",
+        action="store_true",
+        help="init-tiny: every file but the weights (tokenizer, chat template, configs: what a gateway reads)",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -28,15 +34,20 @@ def run(args: argparse.Namespace) -> int:
         return _inspect(args.path)
     from m3stack.engine.model.tiny import ensure_tiny_checkpoint, write_tiny_checkpoint
 
+    weights = not args.no_weights
     if args.path is None:
-        folder = ensure_tiny_checkpoint()
+        folder = ensure_tiny_checkpoint(weights=weights)
     else:
         folder = Path(args.path)
         if folder.exists() and (not folder.is_dir() or any(folder.iterdir())):
             logger.error("%s exists and is not an empty folder; choose a new path", folder)
             return 2
-        write_tiny_checkpoint(folder)
-    logger.info("tiny M3 checkpoint with RANDOM weights (its outputs are random tokens) in %s", folder)
+        write_tiny_checkpoint(folder, weights=weights)
+    logger.info(
+        "tiny M3 checkpoint%s in %s",
+        " with RANDOM weights (its outputs are random tokens)" if weights else ", no weights,",
+        folder,
+    )
     sys.stdout.write(f"{folder}\n")
     return 0
 

@@ -12,7 +12,8 @@
   disagrees with it is an error rather than a silent choice between the two.
 
 Everything the serving model does not implement (and the HF model would silently ignore) is refused with a
-``ConfigError`` naming the key: quantized checkpoints, output gates, softmax routing, init (sink) blocks, ...
+``ConfigError`` naming the key: quantization methods other than MXFP8, output gates, softmax routing, init (sink)
+blocks, ...  ``quantization_config`` is read by ``quantization.parse_quantization_config``.
 """
 
 import json
@@ -21,6 +22,8 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from m3stack.engine.model.quantization import Mxfp8Config, QuantizationError, parse_quantization_config
 
 logger = logging.getLogger(__name__)
 
@@ -178,6 +181,7 @@ class M3Config:
     eos_token_ids: tuple[int, ...]
     image_normalization: PixelNormalization
     video_normalization: PixelNormalization
+    quantization: Mxfp8Config | None = None  # None: every weight in a float dtype
 
     @property
     def merge_unit(self) -> int:
@@ -205,9 +209,10 @@ def parse_config(
     model_type = raw.get("model_type")
     if model_type != MODEL_TYPE:
         raise ConfigError(f"model_type is {model_type!r}; this engine serves {MODEL_TYPE!r} checkpoints")
-    if raw.get("quantization_config"):
-        method = raw["quantization_config"].get("quant_method", "?")
-        raise ConfigError(f"quantized checkpoints are not supported (quantization_config.quant_method={method!r})")
+    try:
+        quantization = parse_quantization_config(raw.get("quantization_config"))
+    except QuantizationError as exc:
+        raise ConfigError(str(exc)) from None
     text_raw = raw.get("text_config") or {}
     vision_raw = raw.get("vision_config") or {}
     top = {**TOP_DEFAULTS, **raw}
@@ -231,6 +236,7 @@ def parse_config(
         eos_token_ids=tuple(int(i) for i in eos_ids),
         image_normalization=image_norm,
         video_normalization=video_norm,
+        quantization=quantization,
     )
 
 

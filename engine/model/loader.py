@@ -4,32 +4,40 @@ Two passes: ``scan_checkpoint`` reads only the safetensors headers and fails fas
 unexpected or mis-shaped tensor, before any data is read; then ``load_weights`` goes shard by shard and copies
 one tensor at a time into the already-allocated parameters (converting dtype, moving to the device), so host
 memory never holds more than one tensor and the device never holds two copies.
+
+An MXFP8 checkpoint (``quantization_config``, see ``quantization``) stores some linears as ``F8_E4M3`` with a
+``U8`` ``<name>_scale_inv`` beside each.  The scan reads which from the headers and checks them against the
+config (``ignored_layers``) and against what the serving model can hold in FP8 (``weights.quantizable``); those
+parameters then keep FP8 storage with their scales (``CheckpointScan.quantized``), copied as stored.
 """
 
-import json
 import logging
 from collections import defaultdict
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors import SafetensorError, safe_open
+from safetensors import safe_open
 from tqdm import tqdm
 
+from m3stack.engine.model.checkpoint_files import CheckpointError, read_header, shard_files
 from m3stack.engine.model.config import M3Config, load_config
 from m3stack.engine.model.model import M3ForServing
-from m3stack.engine.model.weights import IGNORED, CheckpointTensor, checkpoint_tensors
+from m3stack.engine.model.quantization import (
+    BLOCK_SIZE,
+    SAFETENSORS_FP8,
+    SAFETENSORS_SCALE,
+    SCALE_SUFFIX,
+    Mxfp8Config,
+    scale_name,
+    scale_shape,
+)
+from m3stack.engine.model.weights import IGNORED, CheckpointTensor, checkpoint_tensors, quantizable
 
 logger = logging.getLogger(__name__)
 
-INDEX_FILE = "model.safetensors.index.json"
-SINGLE_FILE = "model.safetensors"
 MAX_LISTED = 10  # names quoted per problem kind in an error message
 FLOAT_DTYPES = {"F64", "F32", "F16", "BF16"}
-
-
-class CheckpointError(ValueError):
-    """The checkpoint's tensors do not match its config.json."""
 
 
 @dataclass(frozen=True)
@@ -38,6 +46,7 @@ class CheckpointScan:
 
     files: dict[Path, list[CheckpointTensor]]
     ignored: list[str]
+    quantized: frozenset[str] = frozenset()  # serving-model parameters stored in MXFP8 (their scales included)
 
     @property
     def num_tensors(self) -> int:
@@ -49,7 +58,7 @@ def load_model(
 ) -> tuple[M3ForServing, M3Config]:
     config = load_config(path)
     scan = scan_checkpoint(path, config)
-    model = M3ForServing(config, dtype, device)
+    model = M3ForServing(config, dtype, device, quantized=scan.quantized)
     load_weights(model, scan)
     return model.eval(), config
 
@@ -61,8 +70,8 @@ def scan_checkpoint(path: str | Path, config: M3Config) -> CheckpointScan:
     found: dict[str, tuple[Path, tuple[int, ...], str]] = {}
     problems: dict[str, list[str]] = defaultdict(list)
     ignored: list[str] = []
-    for file in _shard_files(folder):
-        for name, shape, dtype in _headers(file):
+    for file in shard_files(folder):
+        for name, shape, dtype in read_header(file):
             if IGNORED.search(name):
                 ignored.append(name)
             elif name in found:
@@ -70,17 +79,37 @@ def scan_checkpoint(path: str | Path, config: M3Config) -> CheckpointScan:
             else:
                 found[name] = (file, shape, dtype)
     files: dict[Path, list[CheckpointTensor]] = defaultdict(list)
+    formats: dict[str, set[str]] = defaultdict(set)  # serving parameter -> the dtypes of the tensors filling it
+    scales_used: set[str] = set()
     for name, (file, shape, dtype) in found.items():
         spec = expected.get(name)
         if spec is None:
-            problems["unexpected"].append(name)
+            if not name.endswith(SCALE_SUFFIX):  # a scale is checked with its weight, below
+                problems["unexpected"].append(name)
         elif shape != spec.shape:
             problems["mis-shaped"].append(f"{name} is {list(shape)}, expected {list(spec.shape)}")
+        elif dtype == SAFETENSORS_FP8:
+            problem = _fp8_problem(spec, found, config.quantization)
+            if problem:
+                problems["FP8"].append(problem)
+                continue
+            scale = scale_name(name)
+            files[file].append(spec)
+            files[found[scale][0]].append(
+                CheckpointTensor(scale, scale_shape(spec.shape), spec.param + SCALE_SUFFIX, spec.index)
+            )
+            scales_used.add(scale)
+            formats[spec.param].add(dtype)
         elif dtype not in FLOAT_DTYPES:
             problems["non-float"].append(f"{name} is {dtype}")
         else:
             files[file].append(spec)
+            formats[spec.param].add("float")
+    problems["unexpected"] += [
+        n for n in found if n.endswith(SCALE_SUFFIX) and n not in expected and n not in scales_used
+    ]
     problems["missing"] = [name for name in expected if name not in found]
+    problems["mixed-format"] = [f"{param} (from {sorted(kinds)})" for param, kinds in formats.items() if len(kinds) > 1]
     report = [
         f"{len(names)} {kind} tensor(s): {', '.join(names[:MAX_LISTED])}" + (", ..." if len(names) > MAX_LISTED else "")
         for kind, names in problems.items()
@@ -90,20 +119,32 @@ def scan_checkpoint(path: str | Path, config: M3Config) -> CheckpointScan:
         raise CheckpointError(f"{folder} does not match its config.json: " + "; ".join(report))
     if ignored:
         logger.info("ignoring %d tensors not used for serving (e.g. %s)", len(ignored), ignored[0])
-    return CheckpointScan(files=dict(files), ignored=ignored)
+    quantized = frozenset(param for param, kinds in formats.items() if kinds == {SAFETENSORS_FP8})
+    if quantized:
+        logger.info("%d parameters stay in MXFP8 with their scales", len(quantized))
+    return CheckpointScan(files=dict(files), ignored=ignored, quantized=quantized)
 
 
-def _headers(file: Path) -> list[tuple[str, tuple[int, ...], str]]:
-    """(name, shape, safetensors dtype) of every tensor in ``file``, without reading tensor data."""
-    try:
-        with safe_open(str(file), framework="pt") as reader:
-            out = []
-            for name in reader.keys():  # noqa: SIM118 (a safetensors reader, not a dict)
-                header = reader.get_slice(name)
-                out.append((name, tuple(header.get_shape()), header.get_dtype()))
-            return out
-    except SafetensorError as exc:
-        raise CheckpointError(f"{file}: not a readable safetensors file ({exc})") from None
+def _fp8_problem(
+    spec: CheckpointTensor, found: dict[str, tuple[Path, tuple[int, ...], str]], quantization: Mxfp8Config | None
+) -> str | None:
+    """Why the FP8 tensor ``spec`` cannot be served as MXFP8, or None."""
+    name = spec.name
+    if quantization is None:
+        return f"{name} is {SAFETENSORS_FP8} but config.json has no quantization_config"
+    if not quantizable(spec.param):
+        return f"{name} is {SAFETENSORS_FP8}; embeddings, the LM head, routers, norms and the vision side serve in bf16"
+    if quantization.ignores(name):
+        return f"{name} is {SAFETENSORS_FP8} but quantization_config.ignored_layers keeps it in full precision"
+    if spec.shape[-1] % BLOCK_SIZE:
+        return f"{name} is {SAFETENSORS_FP8} but its {spec.shape[-1]} inputs are no whole {BLOCK_SIZE}-element blocks"
+    scale = scale_name(name)
+    if scale not in found:
+        return f"{name} is {SAFETENSORS_FP8} without its scale {scale}"
+    _, shape, dtype = found[scale]
+    if dtype != SAFETENSORS_SCALE or shape != scale_shape(spec.shape):
+        return f"{scale} is {dtype} {list(shape)}, expected {SAFETENSORS_SCALE} {list(scale_shape(spec.shape))}"
+    return None
 
 
 def load_weights(model: M3ForServing, scan: CheckpointScan) -> None:
@@ -123,21 +164,3 @@ def load_weights(model: M3ForServing, scan: CheckpointScan) -> None:
                     del tensor
                     bar.update()
     logger.info("loaded %d tensors from %d file(s)", scan.num_tensors, len(scan.files))
-
-
-def _shard_files(folder: Path) -> list[Path]:
-    index = folder / INDEX_FILE
-    if index.is_file():
-        try:
-            weight_map = json.loads(index.read_text())["weight_map"]
-        except (OSError, json.JSONDecodeError, KeyError, TypeError) as exc:
-            raise CheckpointError(f"{index} is not a valid safetensors index ({exc})") from None
-        files = sorted({folder / name for name in weight_map.values()})
-    elif (folder / SINGLE_FILE).is_file():
-        files = [folder / SINGLE_FILE]
-    else:
-        raise CheckpointError(f"{folder} has neither {INDEX_FILE} nor {SINGLE_FILE}")
-    absent = [f.name for f in files if not f.is_file()]
-    if absent:
-        raise CheckpointError(f"{index} names shard files that do not exist: {', '.join(absent)}")
-    return files

@@ -14,6 +14,8 @@ The runtime calls, per engine step::
 the cache the backend needs: one page = one MSA block of ``index_block_size`` tokens.
 """
 
+from collections.abc import Collection
+
 import torch
 from torch import nn
 
@@ -23,6 +25,7 @@ from m3stack.engine.model.attention import Attention
 from m3stack.engine.model.config import M3Config, TextConfig
 from m3stack.engine.model.mlp import GatedMLP
 from m3stack.engine.model.moe import MoE
+from m3stack.engine.model.mxfp8 import quantize_parameters
 from m3stack.engine.model.norm import GemmaRMSNorm
 from m3stack.engine.model.params import Embedding, Linear
 from m3stack.engine.model.projector import Projector
@@ -69,14 +72,22 @@ class DecoderLayer(nn.Module):
 
 
 class M3ForServing(nn.Module):
+    """``quantized``: parameter paths the checkpoint stores in MXFP8 (``loader.scan_checkpoint`` finds them); the
+    model is then built on the meta device, given FP8 storage and scales there, and materialized on ``device``,
+    so the float weights are never allocated."""
+
     def __init__(
-        self, config: M3Config, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu"
+        self,
+        config: M3Config,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str = "cpu",
+        quantized: Collection[str] = (),
     ) -> None:
         super().__init__()
         self.config = config
         self.dtype = dtype
         text = config.text
-        args = {"dtype": dtype, "device": device}
+        args = {"dtype": dtype, "device": "meta" if quantized else device}
         self.embed_tokens = Embedding(text.vocab_size, text.hidden_size, **args)
         self.layers = nn.ModuleList(DecoderLayer(text, i, **args) for i in range(text.num_layers))
         self.norm = GemmaRMSNorm(text.hidden_size, text.rms_norm_eps, **args)
@@ -88,8 +99,23 @@ class M3ForServing(nn.Module):
             config.vision.hidden_size, config.projector_hidden_size, text.hidden_size, config.merge_unit, **args
         )
         self.register_buffer(
-            "inv_freq", inverse_frequencies(text.rotary_dim, text.rope_theta).to(device), persistent=False
+            "inv_freq", inverse_frequencies(text.rotary_dim, text.rope_theta).to(args["device"]), persistent=False
         )
+        if quantized:
+            quantize_parameters(self, quantized)
+            self.materialize(device)
+
+    def materialize(self, device: torch.device | str) -> None:
+        """Allocate the parameters of a model built on the meta device on ``device`` (uninitialized: a checkpoint
+        fills them) and recompute the buffers ``to_empty`` leaves uninitialized (the RoPE frequencies)."""
+        self.to_empty(device=device)
+        text = self.config.text
+        self.inv_freq = inverse_frequencies(text.rotary_dim, text.rope_theta).to(device)
+        if self.vision is not None:
+            vision = self.config.vision
+            self.vision.inv_freq = inverse_frequencies(vision.rotary_axis_dim, vision.rope_theta).to(device)
+        if text.tie_word_embeddings and isinstance(self.lm_head, Linear):  # to_empty gives each its own storage
+            self.lm_head.weight = self.embed_tokens.weight
 
     def forward(
         self,

@@ -2,14 +2,17 @@
 
 Per token: ``s = sigmoid(W_r x)`` (float32); experts are chosen by ``s + e_score_correction_bias`` but weighted by
 ``s`` renormalized over the chosen k; the routed sum is multiplied by ``routed_scaling_factor`` and the shared
-expert's output is added.  Experts are SwiGLU-OAI MLPs whose weights are stacked ``[E, ...]``.
+expert's output is added.  Experts are SwiGLU-OAI MLPs whose weights are stacked ``[E, ...]``; an MXFP8 checkpoint's
+stay FP8 with ``<name>_scale_inv`` beside them (``mxfp8``), multiplied by ``mxfp8_kernels``' grouped GEMM on CUDA.
 """
+
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from m3stack.engine.model import fused
+from m3stack.engine.model import fused, mxfp8, mxfp8_kernels
 from m3stack.engine.model.config import TextConfig
 from m3stack.engine.model.mlp import GatedMLP, swiglu_oai
 from m3stack.engine.model.params import empty_parameter
@@ -40,6 +43,11 @@ class MoE(nn.Module):
         self.router = Router(text, dtype=dtype, device=device)
         self.gate_up_proj = empty_parameter(experts, 2 * inter, hidden, dtype=dtype, device=device)
         self.down_proj = empty_parameter(experts, hidden, inter, dtype=dtype, device=device)
+        # MXFP8 scales of the two stacks, when the checkpoint stores them so (mxfp8.quantize_parameters), and the
+        # step size from which those experts run dequantized through torch's grouped GEMM (grouped_dequantized).
+        self.gate_up_proj_scale_inv: nn.Parameter | None = None
+        self.down_proj_scale_inv: nn.Parameter | None = None
+        self.dequantize_from_tokens = mxfp8.DEQUANTIZE_FROM_TOKENS
         self.shared_expert = GatedMLP(
             hidden, text.shared_intermediate_size, alpha=self.alpha, limit=self.limit, dtype=dtype, device=device
         )
@@ -59,12 +67,20 @@ class MoE(nn.Module):
         parallelism): such pairs sort after every expert's rows, no GEMM covers them, and they add exactly zero.
         """
         top_k = expert_ids.shape[1]
-        flat = expert_ids.flatten()
-        order = torch.argsort(flat, stable=True)
+        row_ids, order = torch.sort(expert_ids.flatten(), stable=True)
         inputs = x[order // top_k]
-        sorted_out = self._grouped(inputs, flat) if use_grouped_mm(x) else self._looped(inputs, flat)
-        owned = (flat < self.gate_up_proj.shape[0]).sum()  # pairs this module ran: sorted first
+        sorted_out = self.expert_path(x)(inputs, row_ids)
+        owned = (row_ids < self.gate_up_proj.shape[0]).sum()  # pairs this module ran: sorted first
         return combine_expert_rows(sorted_out, order, weights, owned)
+
+    def expert_path(self, x: torch.Tensor) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+        """How the experts run over activations like ``x``: a method of the expert-sorted rows and each row's
+        expert id.  A step on CUDA may be captured in a CUDA graph, so its path never reads a device value on the
+        host: the grouped GEMM where torch's (bf16) or the MXFP8 kernel serves the dtype, else every expert over
+        every row.  The per-expert loop (exact, the least work, a host sync) is for the CPU."""
+        if self._use_grouped(x):
+            return self._grouped
+        return self._every_expert if x.is_cuda else self._looped
 
     def _looped(self, inputs: torch.Tensor, flat_ids: torch.Tensor) -> torch.Tensor:
         """One GEMM pair per expert that has tokens; the counts go to the host (a sync per layer)."""
@@ -74,11 +90,28 @@ class MoE(nn.Module):
         for expert, count in enumerate(counts):
             if count:
                 rows = inputs[start : start + count]
-                hidden = swiglu_oai(F.linear(rows, self.gate_up_proj[expert]), self.alpha, self.limit)
-                outputs.append(F.linear(hidden, self.down_proj[expert]))
+                gate_up = mxfp8.expert_weight(self.gate_up_proj, self.gate_up_proj_scale_inv, expert, rows.dtype)
+                hidden = swiglu_oai(F.linear(rows, gate_up), self.alpha, self.limit)
+                down = mxfp8.expert_weight(self.down_proj, self.down_proj_scale_inv, expert, rows.dtype)
+                outputs.append(F.linear(hidden, down))
                 start += count
         outputs.append(inputs.new_zeros(skipped, self.down_proj.shape[1]))
         return torch.cat(outputs)
+
+    def _every_expert(self, inputs: torch.Tensor, row_ids: torch.Tensor) -> torch.Tensor:
+        """Every expert over every row, each row keeping its own expert's output (rows of another rank's experts:
+        zero).  E times the grouped GEMM's work, but no shape depends on the routing: the capturable path for CUDA
+        activations torch's grouped GEMM does not serve (float32, the exact-comparison configuration), whose
+        fallback, like the loop's ``torch.bincount``, copies device values to pageable host memory, which CUDA graph
+        capture refuses ('Cannot copy between CPU and CUDA tensors during CUDA graph capture unless the CPU tensor
+        is pinned')."""
+        out = inputs.new_zeros(inputs.shape[0], self.down_proj.shape[1])
+        for expert in range(self.gate_up_proj.shape[0]):
+            gate_up = mxfp8.expert_weight(self.gate_up_proj, self.gate_up_proj_scale_inv, expert, inputs.dtype)
+            down = mxfp8.expert_weight(self.down_proj, self.down_proj_scale_inv, expert, inputs.dtype)
+            rows = F.linear(swiglu_oai(F.linear(inputs, gate_up), self.alpha, self.limit), down)
+            out = torch.where((row_ids == expert)[:, None], rows, out)
+        return out
 
     def _grouped(self, inputs: torch.Tensor, flat_ids: torch.Tensor) -> torch.Tensor:
         """Grouped GEMMs with device-side group offsets: no host sync, so decode steps can be CUDA-graphed.
@@ -87,9 +120,43 @@ class MoE(nn.Module):
         counts = torch.zeros(num_experts + 1, dtype=torch.int32, device=inputs.device)
         counts.scatter_add_(0, flat_ids, torch.ones_like(flat_ids, dtype=torch.int32))
         offsets = counts[:num_experts].cumsum(0, dtype=torch.int32)
+        if self.gate_up_proj_scale_inv is not None and self.down_proj_scale_inv is not None:
+            tokens = inputs.shape[0] // self.router.top_k
+            if tokens >= self.dequantize_from_tokens and not torch.cuda.is_current_stream_capturing():
+                return self.grouped_dequantized(inputs, offsets)
+            hidden = mxfp8_kernels.mxfp8_grouped_mm(inputs, self.gate_up_proj, self.gate_up_proj_scale_inv, offsets)
+            hidden = swiglu_oai(hidden, self.alpha, self.limit)
+            return mxfp8_kernels.mxfp8_grouped_mm(hidden, self.down_proj, self.down_proj_scale_inv, offsets)
         hidden = grouped_mm(inputs, self.gate_up_proj.transpose(1, 2), offsets)
         hidden = swiglu_oai(hidden, self.alpha, self.limit)
         return grouped_mm(hidden, self.down_proj.transpose(1, 2), offsets)
+
+    def grouped_dequantized(self, inputs: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+        """The MXFP8 experts through torch's grouped GEMM in the inputs' dtype, for steps bound by math: chunks of
+        experts widened in turn (``mxfp8.widened_chunks``: the next chunk widens while this one multiplies).  Rows
+        from ``offsets[-1]`` on are left unwritten, as ``_grouped`` leaves them.  One host sync for the chunks'
+        rows: never graph-captured."""
+        assert self.gate_up_proj_scale_inv is not None and self.down_proj_scale_inv is not None
+        stacks = [(self.gate_up_proj, self.gate_up_proj_scale_inv), (self.down_proj, self.down_proj_scale_inv)]
+        expert_bytes = sum(weights[0].numel() for weights, _ in stacks) * inputs.element_size()
+        experts = self.gate_up_proj.shape[0]
+        per_chunk = max(1, min(experts, mxfp8.DEQUANTIZE_SCRATCH_BYTES // (2 * expert_bytes)))
+        ends = [0, *offsets.tolist()]
+        chunks = [(first, min(first + per_chunk, experts)) for first in range(0, experts, per_chunk)]
+        out = inputs.new_empty(inputs.shape[0], self.down_proj.shape[1])
+        busy = [(first, last) for first, last in chunks if ends[last] > ends[first]]
+        for (first, last), (gate_up, down) in mxfp8.widened_chunks(stacks, busy, inputs.dtype):
+            rows = slice(ends[first], ends[last])
+            group_ends = offsets[first:last] - ends[first]
+            hidden = swiglu_oai(grouped_mm(inputs[rows], gate_up.transpose(1, 2), group_ends), self.alpha, self.limit)
+            out[rows] = grouped_mm(hidden, down.transpose(1, 2), group_ends)
+        return out
+
+    def _use_grouped(self, x: torch.Tensor) -> bool:
+        """MXFP8 experts: the Triton grouped GEMM for bf16/fp16 on CUDA; bf16 experts: ``use_grouped_mm``."""
+        if self.gate_up_proj_scale_inv is not None:
+            return x.is_cuda and x.dtype in mxfp8_kernels.ACTIVATION_DTYPES
+        return use_grouped_mm(x)
 
 
 def combine_expert_rows(

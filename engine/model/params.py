@@ -2,12 +2,15 @@
 
 ``torch.nn.Linear`` / ``Embedding`` would run a random init over every weight at construction (minutes of CPU
 for a large MoE), so the serving model builds its weights with ``torch.empty`` on the target device instead.
-Weights never need gradients here.
+Weights never need gradients here.  A ``Linear`` whose weight the checkpoint stores in MXFP8 holds it in FP8 with
+its scales (``mxfp8.quantize_parameters``) and multiplies through ``mxfp8.linear``.
 """
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from m3stack.engine.model import mxfp8
 
 
 def empty_parameter(*shape: int, dtype: torch.dtype, device: torch.device | str) -> nn.Parameter:
@@ -23,8 +26,11 @@ class Linear(nn.Module):
         super().__init__()
         self.weight = empty_parameter(out_features, in_features, dtype=dtype, device=device)
         self.bias = empty_parameter(out_features, dtype=dtype, device=device) if bias else None
+        self.weight_scale_inv: nn.Parameter | None = None  # MXFP8 scales, when the weight is stored so
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.weight_scale_inv is not None:
+            return mxfp8.linear(x, self.weight, self.weight_scale_inv, self.bias)
         return F.linear(x, self.weight, self.bias)
 
 

@@ -116,5 +116,6 @@ def build_tiny_tokenizer() -> Tokenizer:
 
 
 def chat_template() -> str:
-    """M3's chat layout: ``]~b]ROLE\\n...[e~[\\n`` turns, images and videos as one placeholder each."""
+    """M3's prompt layout (system and developer turns, tools, tool calls, tool results, thinking modes), as its own
+    template renders it; images and videos as one placeholder each."""
     return resources.files(__package__).joinpath("chat_template.jinja").read_text()

@@ -6,8 +6,10 @@ Checkpoints use MiniMax's original weight names, which is what ``transformers``'
 together (q/k/v/index-q/index-k in one projection, gate|up of each MLP, all experts of a layer in one tensor),
 so one checkpoint tensor fills a slice of one parameter: ``CheckpointTensor.index``.
 
-This table is the one place that knows the layout: the loader validates and copies by it, and the tiny
-default checkpoint is generated from it.
+This table is the one place that knows the layout: the loader validates and copies by it, the tiny
+default checkpoint is generated from it, and ``quantizable`` says which parameters may hold MXFP8 weights (every
+linear of the decoder's attention, MLPs and experts; never embeddings, the LM head, routers, norms or the vision
+side, which serve in full precision).
 """
 
 import re
@@ -20,6 +22,10 @@ LM_HEAD = "language_model.lm_head.weight"
 VISION_PREFIX = "vision_tower.vision_model."
 # Tensors a checkpoint may carry that serving does not use (multi-token-prediction heads): transformers' rule.
 IGNORED = re.compile(r"(^|\.)mtp\.")
+# Serving-model parameters that can hold MXFP8 weights (``mxfp8.quantize_parameters``).
+QUANTIZABLE = re.compile(
+    r"layers\.\d+\.(attn\.(in_proj|o_proj)\.weight|mlp\.(shared_expert\.)?(gate_up_proj|down_proj)(\.weight)?)"
+)
 
 
 @dataclass(frozen=True)
@@ -28,6 +34,10 @@ class CheckpointTensor:
     shape: tuple[int, ...]  # its shape there
     param: str  # dotted path of the serving model's parameter it fills
     index: tuple[int | slice, ...] = ()  # which part of that parameter (empty: all of it)
+
+
+def quantizable(param: str) -> bool:
+    return QUANTIZABLE.fullmatch(param) is not None
 
 
 def checkpoint_tensors(config: M3Config) -> list[CheckpointTensor]:

@@ -1,7 +1,7 @@
 """MSA sparse decode attention over the pages the decode indexer selected.
 
 Primary path: FlashInfer's ``BatchDecodeWithPagedKVCacheWrapper`` over the per-KV-head flattened
-view (design/msa.md): rows ``(token, KV head)`` become MQA requests with ``G = Hq / Hkv`` query
+view (docs/msa.md#cache-layout): rows ``(token, KV head)`` become MQA requests with ``G = Hq / Hkv`` query
 heads and one KV head, the HND caches are viewed as ``[num_pages * Hkv, 1, B, D]`` (free), each
 row's page list is its selected virtual pages with the local page last, and ``last_page_len``
 makes the local page causal.  ``plan()`` runs once per step on the host from host-known lengths
@@ -37,6 +37,9 @@ class TritonDecodeConfig:
     num_warps: int = 4
     num_stages: int | None = None  # None: Triton's default
     fused_combine: bool = True  # combine each row's splits in its last program (else a second launch)
+    # Launched with programmatic dependent launch (sm_90+): its programs start while the indexer runs and read the
+    # page ids once it has finished (``paged_attention``'s ``pdl``).
+    pdl: bool = True
 
 
 def flashinfer_available(device: torch.device) -> bool:
@@ -165,5 +168,5 @@ def sparse_decode_attention(
     return paged_attention(
         q, key_cache, value_cache, sparse_rows(plan, positions, page_table), scale,
         pages_per_split=config.pages_per_split, num_warps=config.num_warps, num_stages=config.num_stages, out=out,
-        counters=plan.attention_counters if config.fused_combine else None,
+        counters=plan.attention_counters if config.fused_combine else None, pdl=config.pdl,
     )  # fmt: skip

@@ -6,7 +6,7 @@ short chunk).  Everything here follows from host-known lengths (``query_start_lo
 the first layer runs; only the selected page ids are produced on the device, by the index kernel.
 
 Rows of the sparse attention are ``r = t * Hkv + h`` (token, KV head): the "flattened" paged
-decode of design/msa.md.  Row ``r`` attends ``min(topk, q + 1)`` pages (``q`` = the token's block),
+decode of docs/msa.md#decode-kernels.  Row ``r`` attends ``min(topk, q + 1)`` pages (``q`` = the token's block),
 the token's own block last with ``last_page_len = position % B + 1`` keys; every other page is
 full.  Page ids are virtual: ``page * Hkv + h`` addresses the ``[B, D]`` tile of KV head ``h`` in
 the HND cache viewed as ``[num_pages * Hkv, 1, B, D]``.
@@ -17,8 +17,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from m3stack.engine.attention.metadata import AttentionMetadata
 from m3stack.engine.host_copy import upload
+from m3stack.engine.kv_cache.metadata import AttentionMetadata
 from m3stack.engine.msa.launch import multiprocessors
 
 # Index-scan programs per SM: the scan keeps ~70 KiB of shared memory, so three are resident per H200

@@ -43,6 +43,13 @@ class DecodeTuning:
     triton_attention: TritonDecodeConfig = field(default_factory=TritonDecodeConfig)
     # The scan stores each pure-decode step's new K, V and index key (no store launch).
     fused_store: bool = True
+    # Decode batches of at least this many requests have the Triton attention merge the scan's lists itself
+    # (``msa.decode_fused``): one launch after the scan instead of a merge and an attention; None: never.  On the
+    # H200 (2026-12-04, bench/msa_decode.py, M3 dims, layer us with it / with the merge's own launch): batch 8 at
+    # 128K / 512K / 1M 86.9 / 89.4, 262 / 266, 495 / 498 (fp8 k-index 75 / 81, 212 / 228, 395 / 425); batch 1
+    # 29.2 / 28.5, 52.8 / 52.9, 82.6 / 81.7, where the one-warp merge launch (``single_request_merge_warps``)
+    # is as fast.  Where FlashInfer attends or CPU offload resolves pages in between, the merge keeps its launch.
+    select_in_attention_min_requests: int | None = 2
 
     def __post_init__(self) -> None:
         if self.attention not in ("triton", "flashinfer"):
@@ -59,9 +66,17 @@ class DecodeTuning:
         splits each request that much finer to keep the programs that do scan filling the GPU."""
         return self.scan_programs_per_sm * (self.scan.shared_group if self.scan.shared_pages else 1)
 
-    def scan_for(self, num_requests: int, fp8_index: bool) -> ScanConfig:
-        """The scan of a decode batch of ``num_requests`` over a bf16 or fp8 k-index."""
+    def selects_in_attention(self, num_requests: int) -> bool:
+        """Whether a decode batch of ``num_requests`` leaves the merge to the attention (``msa.decode_fused``)."""
+        least = self.select_in_attention_min_requests
+        return least is not None and num_requests >= least
+
+    def scan_for(self, num_requests: int, fp8_index: bool, unmerged: bool = False) -> ScanConfig:
+        """The scan of a decode batch of ``num_requests`` over a bf16 or fp8 k-index; ``unmerged``: its lists are
+        left for the attention to merge."""
         scan = self.fp8_scan if fp8_index else self.scan
+        if unmerged:
+            return replace(scan, fused_merge=False)
         if num_requests == 1 and self.single_request_merge_warps is not None:
             return replace(scan, fused_merge=False, merge_warps=self.single_request_merge_warps)
         return scan

@@ -27,3 +27,22 @@ def multiprocessors(device: torch.device) -> int:
     if device.type == "cuda":
         return _cuda_multiprocessors(device.index if device.index is not None else torch.cuda.current_device())
     return 4
+
+
+@functools.cache
+def _cuda_capability(index: int) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(index)
+
+
+def pdl_available(device: torch.device) -> bool:
+    """Programmatic dependent launch (``launch_pdl``, ``gdc_wait``): CUDA devices of compute capability 9.0 and
+    up (Hopper), never the CPU interpreter."""
+    if device.type != "cuda" or triton_interpreted():
+        return False
+    return _cuda_capability(device.index if device.index is not None else torch.cuda.current_device())[0] >= 9
+
+
+def pdl_launch(enabled: bool) -> dict[str, bool]:
+    """A Triton launch's keyword for programmatic dependent launch: only passed where used (other backends and the
+    interpreter refuse the keyword)."""
+    return {"launch_pdl": True} if enabled else {}

@@ -20,7 +20,8 @@ from typing import Literal
 
 import torch
 
-from m3stack.engine.attention.metadata import AttentionMetadata
+from m3stack.engine.kv_cache.metadata import AttentionMetadata
+from m3stack.engine.kv_cache.tensors import FP8_KV_DTYPE
 from m3stack.engine.msa.launch import use_triton
 from m3stack.engine.msa.prefill_block_major import block_major_attention
 from m3stack.engine.msa.prefill_common import PrefillTuning
@@ -59,7 +60,7 @@ def _check_inputs(
         raise ValueError(f"selection must be [Hkv={num_kv_heads}, T={num_tokens}, K], got {tuple(selection.shape)}")
     if selection.dtype not in (torch.int32, torch.int64):
         raise ValueError(f"selection must hold int32 or int64 block ids, got {selection.dtype}")
-    if key_cache.dtype != value_cache.dtype or q.dtype != key_cache.dtype:
+    if key_cache.dtype != value_cache.dtype or key_cache.dtype not in (q.dtype, FP8_KV_DTYPE):
         raise ValueError(
             f"q ({q.dtype}) and the K/V caches ({key_cache.dtype}, {value_cache.dtype}) must share a dtype"
         )

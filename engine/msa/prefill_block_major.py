@@ -1,4 +1,4 @@
-"""KV-block-major sparse prefill (design/msa.md, kernel 4): one program per (KV head, selected block)
+"""KV-block-major sparse prefill (docs/msa.md#prefill-kernels): one program per (KV head, selected block)
 work item, then an LSE merge per (token, KV head).
 
 A work item (``prefill_csr``) is a run of at most ``queries_per_item`` queries that picked one
@@ -11,7 +11,7 @@ combines each token's <= K partials per query head, reading every partial once.
 
 Traffic per (token, KV head, selected block): q rows read (G x D), partial written and read back
 (G x D each), so ~3 x G x D x itemsize bytes against 4 x G x B x D FLOPs: the partials, not the
-MMAs, bound this kernel pair (design/msa.md).  Tokens run in chunks so the partials stay bounded.
+MMAs, bound this kernel pair (docs/msa.md#performance-targets).  Tokens run in chunks so the partials stay bounded.
 
 Latency is what a tile would wait on: its q rows are a gather through the CSR entries.  The
 entries are loaded one tile ahead.  By default (``PREFETCH``) the next tile's q rows and positions
@@ -28,7 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
-from m3stack.engine.attention.metadata import AttentionMetadata
+from m3stack.engine.kv_cache.metadata import AttentionMetadata
 from m3stack.engine.msa.prefill_common import LOG2E, NEG_INF, PrefillTuning, load_kv_block, padded_dims
 from m3stack.engine.msa.prefill_csr import (
     ITEM_END,
@@ -100,7 +100,7 @@ def _block_major_kernel(
     first_key = tl.load(item + ITEM_FIRST_KEY)
     keys, values = load_kv_block(
         k_ptr, v_ptr, tl.load(item + ITEM_PAGE).to(tl.int64), head, tl.load(item + ITEM_NUM_KEYS),
-        stride_kp, stride_kh, stride_kb, stride_vp, stride_vh, stride_vb, B, D, DP,
+        stride_kp, stride_kh, stride_kb, stride_vp, stride_vh, stride_vb, B, D, DP, q_ptr.dtype.element_ty,
     )
     keys_t = tl.trans(keys)
     key_position = first_key + tl.arange(0, B)

@@ -30,10 +30,11 @@ class PrefillTuning:
 @triton.jit
 def load_kv_block(
     k_ptr, v_ptr, page, head, num_keys, stride_kp, stride_kh, stride_kb, stride_vp, stride_vh, stride_vb,
-    B: tl.constexpr, D: tl.constexpr, DP: tl.constexpr,
+    B: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, DTYPE: tl.constexpr,
 ):
-    """K and V ``[B, DP]`` of one (page, KV head).  Slots at or past ``num_keys`` read as zero: they
-    hold no key yet (possibly NaN garbage), and 0 * NaN in P @ V would poison the row even with P = 0."""
+    """K and V ``[B, DP]`` of one (page, KV head) in ``DTYPE`` (the queries'; an fp8 cache's tiles are widened
+    exactly, through fp16).  Slots at or past ``num_keys`` read as zero: they hold no key yet (possibly NaN
+    garbage), and 0 * NaN in P @ V would poison the row even with P = 0."""
     n = tl.arange(0, B)
     d = tl.arange(0, DP)
     mask = (n[:, None] < num_keys) & (d[None, :] < D)
@@ -41,6 +42,9 @@ def load_kv_block(
                    mask=mask, other=0.0)
     values = tl.load(v_ptr + page * stride_vp + head * stride_vh + n[:, None] * stride_vb + d[None, :],
                      mask=mask, other=0.0)
+    if keys.dtype == tl.float8e4nv:
+        keys = keys.to(tl.float16).to(DTYPE)
+        values = values.to(tl.float16).to(DTYPE)
     return keys, values
 # fmt: on
 

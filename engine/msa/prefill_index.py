@@ -25,7 +25,8 @@ import torch
 import triton
 import triton.language as tl
 
-from m3stack.engine.attention.metadata import AttentionMetadata
+from m3stack.engine.kv_cache.metadata import AttentionMetadata
+from m3stack.engine.kv_cache.tensors import FP8_INDEX_DTYPE, check_index_scale, dequantize_index_keys
 from m3stack.engine.msa.launch import multiprocessors, use_triton
 from m3stack.engine.msa.prefill_common import NEG_INF
 from m3stack.engine.msa.prefill_plan import check_paged_layout, token_tiles
@@ -182,7 +183,12 @@ def _index_topk_merge_kernel(
 
 
 def _check_inputs(
-    index_q: torch.Tensor, index_key_cache: torch.Tensor, metadata: AttentionMetadata, topk: int, local_blocks: int
+    index_q: torch.Tensor,
+    index_key_cache: torch.Tensor,
+    metadata: AttentionMetadata,
+    topk: int,
+    local_blocks: int,
+    index_key_scale: torch.Tensor | None,
 ) -> None:
     if index_q.dim() != 3:
         raise ValueError(f"index_q must be [T, Hidx, d], got shape {tuple(index_q.shape)}")
@@ -195,14 +201,34 @@ def _check_inputs(
     check_paged_layout(block_size, num_tokens, metadata, "index_key_cache")
     if not 1 <= local_blocks <= topk:
         raise ValueError(f"need 1 <= local_blocks <= topk, got local_blocks={local_blocks}, topk={topk}")
-    if index_q.dtype != index_key_cache.dtype:
+    if index_key_cache.dtype not in (index_q.dtype, FP8_INDEX_DTYPE):
         raise ValueError(f"index_q is {index_q.dtype} but index_key_cache is {index_key_cache.dtype}")
+    check_index_scale(index_key_cache, index_key_scale)
+    if index_key_cache.dtype == FP8_INDEX_DTYPE and index_key_scale is None:
+        raise ValueError("an fp8 index_key_cache needs its index_key_scale")
     if len({index_q.device, index_key_cache.device, metadata.positions.device}) != 1:
         raise ValueError("index_q, index_key_cache and metadata must be on one device")
     if not use_triton(index_q):
         raise ValueError("prefill_index_topk runs Triton kernels: it needs CUDA tensors (or TRITON_INTERPRET=1)")
     if index_q.stride(-1) != 1 or index_key_cache.stride(-1) != 1 or index_key_cache.stride(1) != key_dim:
-        raise ValueError("index_q and index_key_cache need a contiguous last dimension (and contiguous pages)")
+        raise ValueError("index_q and index_key_cache need a contiguous last dimension (and contiguous page rows)")
+
+
+def _dequantized_pages(
+    index_key_cache: torch.Tensor, index_key_scale: torch.Tensor, metadata: AttentionMetadata, dtype: torch.dtype
+) -> tuple[torch.Tensor, AttentionMetadata]:
+    """The step's requests' pages of an fp8 k-index dequantized to the queries' dtype in a scratch (``key * scale``,
+    so the kernel scores them as a bf16 k-index), with a page table over it.  This indexer is compute-bound (every
+    query tile scores every key block before it): widening each tile inside the kernel cost a shared-memory round
+    trip per tile (29.3 ms against 16.0 for a bf16 k-index at 128K on the H200, 2026-12-04), and scaling the scores
+    there 165 registers a thread, one CTA per SM (25.7 ms); once per step it is a copy of the requests' pages (32 MiB
+    at 128K).  Rounding ``key * scale`` to bf16 adds 2^-9 of relative error to e4m3's 2^-4."""
+    block_size = index_key_cache.shape[1]
+    width = int((metadata.seq_lens_cpu.max() + block_size - 1) // block_size)
+    pages = metadata.page_table[:, :width].long().flatten()
+    keys = dequantize_index_keys(index_key_cache[pages], index_key_scale[pages]).to(dtype)
+    table = torch.arange(pages.numel(), dtype=torch.int32, device=pages.device).view(-1, width)
+    return keys, dataclasses.replace(metadata, page_table=table)
 
 
 def default_key_splits(num_tiles: int, max_blocks: int, device: torch.device) -> int:
@@ -227,13 +253,15 @@ def prefill_index_topk(
     topk: int,
     local_blocks: int,
     tuning: IndexTuning | None = None,
+    index_key_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """MSA block selection for every new token of a step: ``[Hidx, T, topk]`` int32 (module docstring).
 
     ``index_q`` ``[T, Hidx, d]``: the indexer's queries after norm and RoPE.  ``index_key_cache``
-    ``[num_pages, block_size, d]``: the layer's index keys, already holding the new tokens' keys.
+    ``[num_pages, block_size, d]``: the layer's index keys, already holding the new tokens' keys (fp8 e4m3 with
+    ``index_key_scale`` ``[num_pages, block_size]``: keys stored divided by their per-token scale).
     """
-    _check_inputs(index_q, index_key_cache, metadata, topk, local_blocks)
+    _check_inputs(index_q, index_key_cache, metadata, topk, local_blocks, index_key_scale)
     tuning = tuning or IndexTuning()
     num_tokens, num_heads, head_dim = index_q.shape
     block_size = metadata.block_size
@@ -241,6 +269,8 @@ def prefill_index_topk(
     out = torch.empty((num_heads, num_tokens, topk), dtype=torch.int32, device=device)
     if num_tokens == 0:
         return out
+    if index_key_scale is not None:
+        index_key_cache, metadata = _dequantized_pages(index_key_cache, index_key_scale, metadata, index_q.dtype)
     heads_padded = triton.next_power_of_2(num_heads)
     # TILE * HP rows per program: 128 for M3 (32 tokens x 4 heads), at least 16 for tl.dot.
     tile_tokens = max(tuning.tile_tokens or 128 // heads_padded, triton.cdiv(16, heads_padded))

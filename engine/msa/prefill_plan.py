@@ -8,8 +8,8 @@ from dataclasses import dataclass
 
 import torch
 
-from m3stack.engine.attention.metadata import AttentionMetadata
 from m3stack.engine.host_copy import upload
+from m3stack.engine.kv_cache.metadata import AttentionMetadata
 
 
 def check_paged_layout(block_size: int, num_tokens: int, metadata: AttentionMetadata, what: str) -> None:

@@ -10,7 +10,7 @@ import torch
 import triton
 import triton.language as tl
 
-from m3stack.engine.attention.metadata import AttentionMetadata
+from m3stack.engine.kv_cache.metadata import AttentionMetadata
 from m3stack.engine.msa.prefill_common import LOG2E, NEG_INF, load_kv_block, padded_dims
 from m3stack.engine.msa.prefill_plan import token_requests
 
@@ -45,7 +45,7 @@ def _query_major_kernel(
         page = tl.load(page_table_ptr + request * stride_pt + block, mask=live, other=0).to(tl.int64)
         keys, values = load_kv_block(
             k_ptr, v_ptr, page, head, tl.where(live, seq_len - block * B, 0),
-            stride_kp, stride_kh, stride_kb, stride_vp, stride_vh, stride_vb, B, D, DP,
+            stride_kp, stride_kh, stride_kb, stride_vp, stride_vh, stride_vb, B, D, DP, q_ptr.dtype.element_ty,
         )
         key_position = block * B + tl.arange(0, B)
         scores = tl.dot(q, tl.trans(keys), input_precision=INPUT_PRECISION) * scale_log2

@@ -1,6 +1,6 @@
 """MSA in plain PyTorch, float32: the oracle every MSA kernel is tested against.
 
-Semantics are those of ``transformers``' ``MiniMaxM3VLIndexer`` plus its block mask (design/msa.md),
+Semantics are those of ``transformers``' ``MiniMaxM3VLIndexer`` plus its block mask (docs/msa.md#semantics),
 for ONE request whose keys sit at positions ``0 .. S-1`` (gather a paged cache first).  Query token
 ``t`` sits at ``q_positions[t]`` and sees keys ``j <= q_positions[t]``.
 
@@ -144,3 +144,13 @@ def sparse_attention(
     key_pos = torch.arange(num_keys, device=k.device)
     allowed = keep[..., key_pos // block_size] & (key_pos[None, None, :] <= q_positions[None, :, None])
     return _attention(q, k, v, allowed, scale)
+
+
+def selection_overlap(selected: torch.Tensor, other: torch.Tensor) -> tuple[int, int]:
+    """(blocks of ``selected`` that ``other`` selects too, blocks ``selected`` holds) over all rows of two selections
+    ``[..., topk]`` (``-1`` entries ignored, order irrelevant): how far two k-index formats agree."""
+    if selected.shape != other.shape:
+        raise ValueError(f"selections of shapes {tuple(selected.shape)} and {tuple(other.shape)}")
+    valid = selected >= 0
+    shared = (selected[..., :, None] == other[..., None, :]).any(-1) & valid
+    return int(shared.sum()), int(valid.sum())

@@ -28,8 +28,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from m3stack.engine.attention.metadata import AttentionMetadata
 from m3stack.engine.host_copy import staged, upload
+from m3stack.engine.kv_cache.metadata import AttentionMetadata
 from m3stack.engine.msa.decode_plan import SparseDecodePlan
 from m3stack.engine.msa.prefill_attention import sparse_prefill as msa_sparse_prefill
 from m3stack.engine.offload.hot_buffer import STAT_CHURNED, STAT_HITS, STAT_MISSES, STAT_SELECTED, HotStateTensors

@@ -5,7 +5,7 @@ A host block stands in a request's page table where a device block was before it
 prefix-cache hash and is freed with the request.  The pinned memory itself is ``layout.host_sparse``.
 """
 
-from m3stack.engine.runtime.block_pool import KVBlock
+from m3stack.engine.kv_cache.block_pool import KVBlock
 
 
 class HostBlock(KVBlock):

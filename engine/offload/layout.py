@@ -13,7 +13,9 @@ Tensors (``TieredKVCache``):
 
 * MSA layers' K/V: ``device_sparse [L_msa, 2, num_device, Hkv, B, D]``; each layer's ``key`` / ``value``
   is a contiguous view of it, so the attention kernels see the usual HND caches;
-* MSA layers' index keys: ``index_keys [L_msa, num_device + num_host, B, d]``;
+* MSA layers' index keys: ``index_keys [L_msa, num_device + num_host, B, d]``, or with an fp8 k-index raw pages
+  ``[L_msa, num_device + num_host, B x d + 4 B]`` uint8 holding the keys and their scales
+  (``kv_cache.tensors.index_key_views``), so a migration's page copy moves both;
 * dense layers' K/V: ``dense_kv [L_dense, 2, num_device + num_host, Hkv, B, D]``;
 * host: ``host_sparse [L_msa, 2, num_host, Hkv, B, D]``, pinned (registered with CUDA, so kernels read
   it directly through unified addressing).
@@ -28,7 +30,7 @@ from dataclasses import dataclass
 
 import torch
 
-from m3stack.engine.kv_cache.tensors import KVCacheSpec, LayerKVCache
+from m3stack.engine.kv_cache.tensors import KVCacheSpec, LayerKVCache, allocate_index_pages, index_key_views
 
 # Device blocks below this leave too little room to run (a step's new blocks, hot buffers, shared prefixes).
 MIN_DEVICE_BLOCKS = 4
@@ -45,7 +47,7 @@ class TierSizes:
 
 
 def _itemsize(spec: KVCacheSpec) -> int:
-    return torch.empty((), dtype=spec.dtype).element_size()
+    return torch.empty((), dtype=spec.kv_storage_dtype).element_size()
 
 
 def host_bytes_per_block(spec: KVCacheSpec) -> int:
@@ -55,10 +57,8 @@ def host_bytes_per_block(spec: KVCacheSpec) -> int:
 
 
 def device_bytes_per_host_block(spec: KVCacheSpec) -> int:
-    """Device bytes a host block keeps: MSA index keys and dense-layer K/V."""
-    kv = 2 * spec.num_kv_heads * spec.block_size * spec.head_dim
-    index = spec.block_size * spec.index_head_dim
-    return _itemsize(spec) * sum(index if sparse else kv for sparse in spec.sparse_layers)
+    """Device bytes a host block keeps: MSA index keys (with their scales, fp8) and dense-layer K/V."""
+    return sum(spec.index_page_bytes if sparse else spec.kv_page_bytes for sparse in spec.sparse_layers)
 
 
 def tier_sizes(spec: KVCacheSpec, device_bytes: float, host_bytes: float) -> TierSizes:
@@ -85,7 +85,7 @@ class TieredKVCache:
     layers: list[LayerKVCache]  # what the attention backend reads, one per model layer
     device_sparse: torch.Tensor  # [L_msa, 2, num_device, Hkv, B, D]
     host_sparse: torch.Tensor  # [L_msa, 2, num_host, Hkv, B, D], pinned on cuda
-    index_keys: torch.Tensor  # [L_msa, num_ids, B, d]
+    index_keys: torch.Tensor  # [L_msa, num_ids, B, d], or raw fp8 pages with scales [L_msa, num_ids, page bytes]
     dense_kv: torch.Tensor | None  # [L_dense, 2, num_ids, Hkv, B, D]
     sparse_layer_ids: tuple[int, ...]  # model layer of each MSA slot
     sizes: TierSizes
@@ -118,18 +118,19 @@ def allocate_tiered_kv_cache(spec: KVCacheSpec, sizes: TierSizes, device: torch.
     sparse_ids = tuple(i for i, sparse in enumerate(spec.sparse_layers) if sparse)
     dense_ids = tuple(i for i, sparse in enumerate(spec.sparse_layers) if not sparse)
     page = (spec.num_kv_heads, spec.block_size, spec.head_dim)
-    device_sparse = torch.empty((len(sparse_ids), 2, sizes.num_device, *page), dtype=spec.dtype, device=device)
-    host_sparse = pinned_empty((len(sparse_ids), 2, sizes.num_host, *page), spec.dtype, device)
-    index_shape = (len(sparse_ids), sizes.num_ids, spec.block_size, spec.index_head_dim)
-    index_keys = torch.empty(index_shape, dtype=spec.dtype, device=device)
+    kv_dtype = spec.kv_storage_dtype
+    device_sparse = torch.empty((len(sparse_ids), 2, sizes.num_device, *page), dtype=kv_dtype, device=device)
+    host_sparse = pinned_empty((len(sparse_ids), 2, sizes.num_host, *page), kv_dtype, device)
+    index_keys = allocate_index_pages(spec, (len(sparse_ids), sizes.num_ids), device)
     dense_kv = None
     if dense_ids:
-        dense_kv = torch.empty((len(dense_ids), 2, sizes.num_ids, *page), dtype=spec.dtype, device=device)
+        dense_kv = torch.empty((len(dense_ids), 2, sizes.num_ids, *page), dtype=kv_dtype, device=device)
     layers = []
     for layer, sparse in enumerate(spec.sparse_layers):
         if sparse:
             slot = sparse_ids.index(layer)
-            layers.append(LayerKVCache(device_sparse[slot, 0], device_sparse[slot, 1], index_keys[slot]))
+            keys, scales = index_key_views(index_keys[slot], spec.block_size, spec.index_head_dim)
+            layers.append(LayerKVCache(device_sparse[slot, 0], device_sparse[slot, 1], keys, scales))
         else:
             assert dense_kv is not None
             slot = dense_ids.index(layer)

@@ -13,8 +13,8 @@ from dataclasses import dataclass
 
 import torch
 
-from m3stack.engine.attention.metadata import AttentionMetadata
 from m3stack.engine.host_copy import upload
+from m3stack.engine.kv_cache.metadata import AttentionMetadata
 from m3stack.engine.offload.page_copy import copy_pages
 
 

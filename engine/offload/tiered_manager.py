@@ -1,4 +1,7 @@
-"""The KV cache manager with a host tier: blocks leave the device under pressure, shared prefixes stay.
+"""A KV manager with a host tier: blocks leave the device under pressure, shared prefixes stay.
+
+It is the paged manager (``engine.kv_cache.manager``) and a host pool (``host_pool``) composed: the page tables
+are the paged manager's, and a moved block's entry in one names a host slot.
 
 When a request needs device blocks that are not free, ``allocate`` first spills blocks of running
 requests to the host (``layout``), then allocates as usual.  A block may move when
@@ -25,11 +28,13 @@ import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
+
+from m3stack.engine.kv_cache.block_pool import KVBlock
+from m3stack.engine.kv_cache.interfaces import KVRequest
+from m3stack.engine.kv_cache.manager import KVCacheManager
 from m3stack.engine.offload.host_pool import HostBlock, HostBlockPool
 from m3stack.engine.offload.layout import TierSizes
-from m3stack.engine.runtime.block_pool import KVBlock
-from m3stack.engine.runtime.kv_cache_manager import KVCacheManager
-from m3stack.engine.runtime.request import Request
 
 logger = logging.getLogger(__name__)
 
@@ -59,7 +64,12 @@ class PendingWork:
     new_leases: list[HotLease]
 
 
-class TieredKVCacheManager(KVCacheManager):
+class TieredKVCacheManager:
+    """A paged manager over the device pool (``paged``) and a host pool (``host``) its page tables may also name.
+
+    The scheduler sees it as any ``KVManager``; the page tables, prefix lookups and publication are the paged
+    manager's, and this class adds where blocks may go when the device runs short."""
+
     def __init__(
         self,
         sizes: TierSizes,
@@ -70,7 +80,10 @@ class TieredKVCacheManager(KVCacheManager):
         keep_tail_blocks: int,
         max_requests: int,
     ) -> None:
-        super().__init__(sizes.num_device, block_size, enable_prefix_caching)
+        self.paged = KVCacheManager(sizes.num_device, block_size, enable_prefix_caching)
+        self.pool = self.paged.pool
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
         if hot_blocks < 1 or keep_tail_blocks < 1:
             raise ValueError(f"need hot_blocks >= 1 and keep_tail_blocks >= 1, got {hot_blocks}, {keep_tail_blocks}")
         if self.pool.num_usable_blocks - hot_blocks - keep_tail_blocks < 1:
@@ -85,7 +98,7 @@ class TieredKVCacheManager(KVCacheManager):
         self._leases: dict[str, HotLease] = {}
         self._prefix_hits: dict[str, int] = {}  # leading blocks that came from a prefix hit
         self._pending = PendingWork([], [])
-        self._holders: dict[str, Request] = {}  # requests that allocated blocks and were not freed since
+        self._holders: dict[str, KVRequest] = {}  # requests that allocated blocks and were not freed since
         self.num_spilled_blocks = 0
 
     # --- capacity as the scheduler sees it --------------------------------------------------------
@@ -94,6 +107,10 @@ class TieredKVCacheManager(KVCacheManager):
     def num_free_blocks(self) -> int:
         """Blocks a request can still grow into: free device blocks, and host slots spilling can use."""
         return self.pool.num_free_blocks + self.host.num_free_blocks
+
+    @property
+    def usage(self) -> float:
+        return self.pool.usage
 
     @property
     def capacity_tokens(self) -> int:
@@ -108,7 +125,7 @@ class TieredKVCacheManager(KVCacheManager):
         if needed <= self.pool.num_free_blocks:
             return True
         if context_blocks - self.keep_tail_blocks > self.hot_blocks:
-            return super().can_admit(context_blocks, reserve)
+            return needed <= self.num_free_blocks
         return needed <= self.pool.num_free_blocks + min(self._movable_blocks(), self.host.num_free_blocks)
 
     def _movable_blocks(self) -> int:
@@ -142,10 +159,41 @@ class TieredKVCacheManager(KVCacheManager):
         pending, self._pending = self._pending, PendingWork([], [])
         return pending
 
+    # --- the paged manager's page tables and prefix cache -----------------------------------------
+
+    @property
+    def prefix_query_tokens(self) -> int:
+        return self.paged.prefix_query_tokens
+
+    @property
+    def prefix_hit_tokens(self) -> int:
+        return self.paged.prefix_hit_tokens
+
+    def block_ids(self, request_id: str) -> np.ndarray:
+        return self.paged.block_ids(request_id)
+
+    def num_held_blocks(self, request_id: str) -> int:
+        return self.paged.num_held_blocks(request_id)
+
+    def held_blocks(self, request_id: str) -> Sequence[KVBlock]:
+        return self.paged.held_blocks(request_id)
+
+    def find_cached_prefix(self, request: KVRequest) -> list[KVBlock]:
+        return self.paged.find_cached_prefix(request)
+
+    def num_new_blocks(self, request: KVRequest, num_new_tokens: int, cached_prefix: Sequence[KVBlock] = ()) -> int:
+        return self.paged.num_new_blocks(request, num_new_tokens, cached_prefix)
+
+    def record_prefix_lookup(self, num_prompt_tokens: int, num_hit_tokens: int) -> None:
+        self.paged.record_prefix_lookup(num_prompt_tokens, num_hit_tokens)
+
+    def reset_prefix_cache(self) -> None:
+        self.paged.reset_prefix_cache()
+
     # --- changes --------------------------------------------------------------------------------
 
     def allocate(
-        self, request: Request, num_new_tokens: int, cached_prefix: Sequence[KVBlock] = (), reserve: int = 0
+        self, request: KVRequest, num_new_tokens: int, cached_prefix: Sequence[KVBlock] = (), reserve: int = 0
     ) -> bool:
         if cached_prefix:
             self._prefix_hits[request.request_id] = len(cached_prefix)
@@ -155,22 +203,24 @@ class TieredKVCacheManager(KVCacheManager):
             self.pool.touch(cached_prefix)
             self._spill(short)
             self.pool.release(reversed(cached_prefix))
-        allocated = super().allocate(request, num_new_tokens, cached_prefix, reserve)
+        allocated = self.paged.allocate(request, num_new_tokens, cached_prefix, reserve)
         if allocated:
             self._holders[request.request_id] = request
         return allocated
 
-    def publish_computed_blocks(self, request: Request, num_computed: int) -> None:
+    def publish_computed_blocks(self, request: KVRequest, num_computed: int) -> None:
         """Publish as usual, but never past a block that moved to the host before it was published: host blocks
         belong to one request and stay out of the prefix cache (so are the device blocks after it)."""
         held = self.held_blocks(request.request_id)
-        for index in range(self.num_published_blocks(request.request_id), len(held)):
+        for index in range(self.paged.num_published_blocks(request.request_id), len(held)):
             if isinstance(held[index], HostBlock):
                 num_computed = min(num_computed, index * self.block_size)
                 break
-        super().publish_computed_blocks(request, num_computed)
+        self.paged.publish_computed_blocks(request, num_computed)
 
-    def free(self, request: Request) -> None:
+    def free(self, request: KVRequest) -> None:
+        """Give back the request's hot buffer, its host slots (dropping copies into them not yet run) and its device
+        blocks, last first."""
         request_id = request.request_id
         lease = self._leases.pop(request_id, None)
         if lease is not None:
@@ -178,18 +228,16 @@ class TieredKVCacheManager(KVCacheManager):
             self._free_handles.append(lease.handle)
         self._prefix_hits.pop(request_id, None)
         self._holders.pop(request_id, None)
-        super().free(request)
-
-    def _release_blocks(self, blocks: Sequence[KVBlock]) -> None:
+        held = self.paged.detach(request_id)
         released_slots = set()
-        for block in blocks:
+        for block in held:
             if isinstance(block, HostBlock):
                 self.host.release(block)
                 released_slots.add(block.host_slot)
         if released_slots:  # a copy into a slot given back before it ran must not race a later owner's copy
             pending = self._pending.migrations
             self._pending.migrations = [m for m in pending if m.host_slot not in released_slots]
-        super()._release_blocks([b for b in blocks if not isinstance(b, HostBlock)])
+        self.pool.release(reversed([block for block in held if not isinstance(block, HostBlock)]))
 
     # --- spilling -------------------------------------------------------------------------------
 
@@ -230,22 +278,15 @@ class TieredKVCacheManager(KVCacheManager):
 
     def _spill_block(self, request_id: str, index: int) -> None:
         host_block = self.host.allocate()
-        device_block = self.replace_block(request_id, index, host_block)
+        device_block = self.paged.replace_block(request_id, index, host_block)
         self._pending.migrations.append(Migration(device_block.block_id, host_block.block_id, host_block.host_slot))
         self.pool.release([device_block])
         self.num_spilled_blocks += 1
 
     # --- checks ---------------------------------------------------------------------------------
 
-    def live_references(self) -> dict[int, int]:
-        refs = super().live_references()
-        for lease in self._leases.values():
-            for page in lease.pages:
-                refs[page.block_id] = refs.get(page.block_id, 0) + 1
-        return refs
-
     def check_invariants(self) -> None:
-        super().check_invariants()
+        self.paged.check_invariants(lent=[page for lease in self._leases.values() for page in lease.pages])
         held_host = [b for rid in self._holders for b in self.held_blocks(rid) if isinstance(b, HostBlock)]
         self.host.check_invariants(held_host)
         for request_id in self._holders:

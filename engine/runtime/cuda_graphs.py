@@ -14,7 +14,7 @@ forward must not synchronize with the host (capture fails if it does).  Otherwis
 eagerly and a warning says why.
 
 A parallel engine's ranks capture and replay together (``GraphPeers``, rank 0's side in
-``engine.distributed.messages``): each rank holds the same padded buffers and captures its own shard's forward,
+``engine.distributed.leader``): each rank holds the same padded buffers and captures its own shard's forward,
 collectives included, size by size in the same order; rank 0 keeps its graphs only if every rank captured all
 sizes.  A replay on rank 0 first hands the workers the staged step (its buffers' device blocks and host context
 lengths), and each worker plans it and replays its graph of that size, so the graphs' collectives meet.
@@ -26,8 +26,8 @@ from typing import Protocol
 import torch
 
 from m3stack.engine.attention.backend import AttentionBackend
-from m3stack.engine.attention.metadata import AttentionMetadata
-from m3stack.engine.runtime.block_pool import NULL_BLOCK_ID
+from m3stack.engine.kv_cache.block_pool import NULL_BLOCK_ID
+from m3stack.engine.kv_cache.metadata import AttentionMetadata
 from m3stack.engine.runtime.inputs import HostInputs
 
 logger = logging.getLogger(__name__)
@@ -218,6 +218,8 @@ class DecodeGraphs:
                     self.logits[size] = self._forward(size)
             except RuntimeError as exc:
                 failure = str(exc)
+                # The message alone rarely says which layer did it (a host copy, a sync): keep where it was raised.
+                logger.warning("CUDA graph capture of batch size %d failed", size, exc_info=True)
                 torch.cuda.synchronize()
                 if self.peers is None:
                     return failure

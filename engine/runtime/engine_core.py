@@ -16,8 +16,9 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
 from m3stack.engine.offload.metrics import OffloadStats
-from m3stack.engine.runtime.config import ModelInfo
 from m3stack.engine.runtime.errors import DuplicateRequestError, EngineError, InvalidRequestError
+from m3stack.engine.runtime.grammar import GrammarCompiler
+from m3stack.engine.runtime.model_info import ModelInfo
 from m3stack.engine.runtime.request import Request, RequestOutput, SampledToken
 from m3stack.engine.runtime.scheduler import Scheduler, SchedulerOutput
 
@@ -30,6 +31,11 @@ logger = logging.getLogger(__name__)
 class Runner(Protocol):
     def launch(self, out: SchedulerOutput) -> Any:
         """Run the encoder items and enqueue the forward and sampling of ``out``; returns a handle at once."""
+        ...
+
+    def sample(self, launched: Any) -> None:
+        """Launch a step's sampling if ``launch`` left it for later (its grammar masks need every earlier step's
+        tokens applied: the core calls this once they are)."""
         ...
 
     def finish(self, launched: Any) -> dict[str, SampledToken]:
@@ -89,6 +95,7 @@ class EngineCore:
         *,
         async_scheduling: bool = False,
         offload: "DeviceOffload | None" = None,
+        grammars: GrammarCompiler | None = None,
     ) -> None:
         self.info = info
         self.scheduler = scheduler
@@ -97,6 +104,12 @@ class EngineCore:
         self.offload = offload
         self.num_steps = 0
         self._in_flight: tuple[SchedulerOutput, Any] | None = None
+        self.grammars = grammars
+
+    def grammar_compiler(self) -> GrammarCompiler:
+        if self.grammars is None:
+            raise InvalidRequestError("this engine has no grammar compiler (the model folder has no tokenizer.json)")
+        return self.grammars
 
     @property
     def has_work(self) -> bool:
@@ -105,6 +118,10 @@ class EngineCore:
     def add_request(self, request: Request, *, bypass_queue_limit: bool = False) -> None:
         if request.request_id in self.scheduler.requests:
             raise DuplicateRequestError(f"request_id {request.request_id!r} is already running")
+        if request.sampling.grammar is not None:
+            if request.grammar is None:  # not compiled on arrival (the server does that off this thread): now
+                request.grammar = self.grammar_compiler().submit(request.sampling.grammar)
+            request.grammar.matcher  # noqa: B018 - waits for the compilation; raises InvalidRequestError if it failed
         cache = self.scheduler.encoder_cache
         for item in request.mm_inputs:
             if not cache.fits(item.num_embeds):
@@ -127,12 +144,14 @@ class EngineCore:
         if self.async_scheduling:
             completed, self._in_flight = self._in_flight, launched
         else:
-            completed = launched
+            completed = launched if self._sample(launched, outputs) else None
         executed = time.perf_counter()
         waited = 0.0
         if completed is not None:
             finished, waited = self._finish(*completed)
             outputs += finished
+        if self.async_scheduling and not self._sample(launched, outputs):
+            self._in_flight = None
         end = time.perf_counter()
         done = completed[0] if completed is not None else SchedulerOutput()
         return StepReport(
@@ -163,6 +182,18 @@ class EngineCore:
         except Exception as exc:
             outputs += self._fail_step(out, exc)
         return None
+
+    def _sample(self, launched: tuple[SchedulerOutput, Any] | None, outputs: list[RequestOutput]) -> bool:
+        """The runner's deferred sampling of a launched step (grammar masks, built from the matchers as they are now);
+        False when it failed, and the step's requests were ended."""
+        if launched is None:
+            return True
+        try:
+            self.runner.sample(launched[1])
+        except Exception as exc:
+            outputs += self._fail_step(launched[0], exc)
+            return False
+        return True
 
     def _finish(self, out: SchedulerOutput, launched: Any) -> tuple[list[RequestOutput], float]:
         """The step's outputs, and the seconds spent waiting for its tokens."""

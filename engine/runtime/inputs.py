@@ -12,8 +12,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from m3stack.engine.attention.metadata import AttentionMetadata
 from m3stack.engine.host_copy import upload
+from m3stack.engine.kv_cache.metadata import AttentionMetadata
 from m3stack.engine.runtime.encoder_cache import EncoderCache
 from m3stack.engine.runtime.request import PLACEHOLDER_TOKEN, Request
 from m3stack.engine.runtime.scheduler import ScheduledRequest, SchedulerOutput

@@ -4,7 +4,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from m3stack.engine.runtime.engine_core import EngineCore
-from m3stack.engine.runtime.request import FinishReason, Request
+from m3stack.engine.runtime.request import FinishReason, PromptLogprobs, Request
 
 
 @dataclass
@@ -14,6 +14,8 @@ class Generation:
     num_cached_tokens: int = 0
     logprobs: list[float] = field(default_factory=list)  # with SamplingParams.logprobs
     top_logprobs: list[tuple[list[int], list[float]]] = field(default_factory=list)  # (ids, logprobs) a token
+    prompt_logprobs: PromptLogprobs | None = None  # with SamplingParams.prompt_logprobs
+    abort_message: str = ""
 
 
 def generate(
@@ -38,7 +40,10 @@ def generate(
             result.token_ids += output.new_token_ids
             result.logprobs += output.new_logprobs
             result.top_logprobs += output.new_top_logprobs
+            if output.prompt_logprobs is not None:
+                result.prompt_logprobs = output.prompt_logprobs
             if output.finished:
+                result.abort_message = output.abort_message
                 result.finish_reason = output.finish_reason
                 result.num_cached_tokens = output.num_cached_tokens
         if check_invariants:

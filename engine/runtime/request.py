@@ -1,6 +1,6 @@
 """One generation request inside the engine: its inputs, sampling settings, progress and state machine.
 
-States (design/engine.md): ``WAITING -> (ENCODING) -> PREFILLING -> DECODING -> FINISHED | ABORTED``.
+States (docs/engine.md#requests): ``WAITING -> (ENCODING) -> PREFILLING -> DECODING -> FINISHED | ABORTED``.
 Preemption by recompute sends a running request back to ``WAITING`` with its KV freed; it keeps
 its generated tokens and recomputes their KV (often from the prefix cache) when readmitted.
 """
@@ -10,15 +10,23 @@ import math
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
 from m3stack.engine.runtime.errors import InvalidRequestError
 
+if TYPE_CHECKING:
+    from m3stack.engine.runtime.grammar import RequestGrammar
+
 # OpenAI's limit on top_logprobs; it also bounds the per-step top-k work in the sampler.
 MAX_TOP_LOGPROBS = 20
 # Stands for a token that a step in flight will sample (async scheduling); never a real token id.
 PLACEHOLDER_TOKEN = -1
+# OpenAI's ranges: logit_bias values in [-100, 100], presence and frequency penalties in [-2, 2]; the repetition
+# penalty (no OpenAI field) gets (0, 2].
+MAX_LOGIT_BIAS = 100.0
+MAX_PENALTY = 2.0
 
 
 class RequestStatus(enum.Enum):
@@ -92,6 +100,12 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: bool = False
     top_logprobs: int = 0
+    presence_penalty: float = 0.0  # OpenAI, over generated tokens
+    frequency_penalty: float = 0.0  # OpenAI, over generated tokens
+    repetition_penalty: float = 1.0  # HF/vLLM, over prompt and generated tokens
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias) pairs
+    prompt_logprobs: int | None = None  # None = off; n = also the n most likely tokens at each prompt position
+    grammar: str | None = None  # llguidance Lark grammar constraining the generated tokens
 
     @property
     def greedy(self) -> bool:
@@ -100,6 +114,11 @@ class SamplingParams:
     @property
     def wants_logprobs(self) -> bool:
         return self.logprobs or self.top_logprobs > 0
+
+    @property
+    def uses_penalties(self) -> bool:
+        """Whether sampling needs the request's token counts (presence, frequency or repetition penalty)."""
+        return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
 
     def validate(self, vocab_size: int) -> None:
         """Raise ``InvalidRequestError`` naming the first bad field."""
@@ -124,6 +143,32 @@ class SamplingParams:
         bad_stops = sorted(t for t in self.stop_token_ids if not 0 <= t < vocab_size)
         if bad_stops:
             raise InvalidRequestError(f"stop_token_ids {bad_stops[:8]} are outside the vocabulary [0, {vocab_size})")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not math.isfinite(value) or not -MAX_PENALTY <= value <= MAX_PENALTY:
+                raise InvalidRequestError(f"{name} must be in [-{MAX_PENALTY:g}, {MAX_PENALTY:g}], got {value}")
+        if not math.isfinite(self.repetition_penalty) or not 0 < self.repetition_penalty <= MAX_PENALTY:
+            raise InvalidRequestError(
+                f"repetition_penalty must be in (0, {MAX_PENALTY:g}], got {self.repetition_penalty}"
+            )
+        self._validate_logit_bias(vocab_size)
+        if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= MAX_TOP_LOGPROBS:
+            raise InvalidRequestError(f"prompt_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {self.prompt_logprobs}")
+        if self.grammar is not None and not self.grammar.strip():
+            raise InvalidRequestError("grammar is empty")
+
+    def _validate_logit_bias(self, vocab_size: int) -> None:
+        bad_ids = sorted(token for token, _ in self.logit_bias if not 0 <= token < vocab_size)
+        if bad_ids:
+            raise InvalidRequestError(
+                f"logit_bias token ids {bad_ids[:8]} are outside the vocabulary [0, {vocab_size})"
+            )
+        bad = [(token, bias) for token, bias in self.logit_bias if not -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS]
+        if bad:  # NaN fails the comparison too
+            token, bias = bad[0]
+            raise InvalidRequestError(
+                f"logit_bias values must be in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}]; token {token} has {bias}"
+            )
 
 
 @dataclass
@@ -133,7 +178,7 @@ class MultimodalInput:
     modality: Modality
     content_hash: str
     pixel_values: torch.Tensor  # [num_patches, patch_dim] on the host: uint8 raw pixels or normalized floats
-    grid_thw: tuple[int, int, int]
+    grids: tuple[tuple[int, int, int], ...]  # (t, h, w) per vision segment
     placeholders: tuple[tuple[int, int], ...]  # sorted, disjoint (offset, length) prompt spans
     embed_positions: torch.Tensor  # [num_embeds] int64, sorted prompt positions receiving embeddings
 
@@ -168,6 +213,14 @@ class SampledToken:
 
 
 @dataclass
+class PromptLogprobs:
+    """Logprobs of prompt tokens 1..P-1 (token 0 has no context), and the top-n at each of those positions."""
+
+    logprobs: list[float] = field(default_factory=list)
+    top: list[tuple[list[int], list[float]]] = field(default_factory=list)  # empty when n = 0
+
+
+@dataclass
 class RequestOutput:
     """New tokens of one request after a step, or its end (``finish_reason`` set)."""
 
@@ -181,6 +234,7 @@ class RequestOutput:
     finish_reason: FinishReason | None = None
     stop_token_id: int | None = None
     abort_message: str = ""
+    prompt_logprobs: PromptLogprobs | None = None  # once, with the request's first token
     error: Exception | None = None  # an EngineError when the request failed (the stream ends with its status)
 
     @property
@@ -216,6 +270,12 @@ class Request:
         self.cache_salt = cache_salt
         self.priority = priority
         self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
+        # When the scheduler last admitted it from WAITING (monotonic; None while it has never run): the end of its
+        # queue time, the start of its prefill (vLLM's SCHEDULED event; metrics and trace spans).
+        self.scheduled_time: float | None = None
+        # What came with it besides its inputs, as gRPC metadata (lower-case keys): the client's x-request-id and
+        # W3C trace context (traceparent, tracestate).
+        self.metadata: dict[str, str] = {}
 
         self.status = RequestStatus.WAITING
         self.finish_reason: FinishReason | None = None
@@ -230,6 +290,11 @@ class Request:
         # Prefix-cache hash chain of every full block of token_ids (see prefix_cache.py).
         self.block_hashes: list[bytes] = []
         self.generator: torch.Generator | None = None  # per-request RNG when a seed is given
+        self.grammar: RequestGrammar | None = None  # set by build_request when sampling.grammar is
+        # Filled by the runner as prefill chunks run (sampling.prompt_logprobs); sent with the first token.
+        self.prompt_logprobs = PromptLogprobs() if sampling.prompt_logprobs is not None else None
+        self.prompt_logprobs_launched = 0  # the last prompt position a launched step computes the logprob of
+        self.prompt_logprobs_sent = False
 
     # --- progress -------------------------------------------------------------------------------
 
@@ -284,6 +349,8 @@ class Request:
             return
         if new_status not in _ALLOWED_TRANSITIONS[self.status]:
             raise RuntimeError(f"request {self.request_id}: illegal transition {self.status.name} -> {new_status.name}")
+        if self.status is RequestStatus.WAITING and new_status not in (RequestStatus.FINISHED, RequestStatus.ABORTED):
+            self.scheduled_time = time.monotonic()
         self.status = new_status
 
     def finish(self, reason: FinishReason, stop_token_id: int | None = None) -> None:
@@ -295,7 +362,10 @@ class Request:
         self.stop_token_id = stop_token_id
 
     def __repr__(self) -> str:
+        # The client's request id too: engine log lines about a request name the id the client and the gateway know.
+        client_id = self.metadata.get("x-request-id")
         return (
-            f"Request({self.request_id!r}, {self.status.name}, prompt={self.num_prompt_tokens}, "
+            f"Request({self.request_id!r}{f' x-request-id={client_id!r}' if client_id else ''}, {self.status.name}, "
+            f"prompt={self.num_prompt_tokens}, "
             f"output={self.num_output_tokens}, computed={self.num_computed_tokens})"
         )

@@ -12,8 +12,10 @@ fills them on the device from the previous step's output, so the host never wait
 Order with one step in flight (``EngineCore.step``): schedule N+1, ``launch`` N+1 (inputs, staging,
 attention planning, placeholder fill, graph replay or eager forward, sampling, the copy of its tokens
 to pinned memory) while the device still runs step N, then ``finish`` N, which waits on an event
-after N's token copy only.  Nothing in ``launch`` may synchronize with the device: every host-to-device
-copy goes from pinned memory (a pageable one may wait for the stream), and the only waits are on
+after N's token copy only.  A step with grammar-constrained requests launches its forward only: its masks
+depend on N's tokens, so ``sample`` builds them after ``finish`` N applied those, while the device runs
+N+1's forward, and then launches N+1's sampling.  Nothing in ``launch`` may synchronize with the device: every
+host-to-device copy goes from pinned memory (a pageable one may wait for the stream), and the only waits are on
 events of copies the device has already reached (``_wait_inputs_consumed``).  So the host's prepare
 of N+1 runs under N's forward, and the device starts N+1 as soon as N ends.
 """
@@ -30,7 +32,15 @@ from m3stack.engine.attention.backend import AttentionBackend
 from m3stack.engine.runtime.cuda_graphs import DecodeGraphs
 from m3stack.engine.runtime.encoder_cache import EncoderCache
 from m3stack.engine.runtime.engine_core import EncoderError
+from m3stack.engine.runtime.grammar import GrammarMasks
 from m3stack.engine.runtime.inputs import HostInputs, build_host_inputs, to_device
+from m3stack.engine.runtime.penalties import TokenCounts
+from m3stack.engine.runtime.prompt_logprobs import (
+    LaunchedPromptLogprobs,
+    PromptLogprobTargets,
+    launch_prompt_logprobs,
+    prompt_logprob_targets,
+)
 from m3stack.engine.runtime.request import Modality, MultimodalInput, Request, SampledToken
 from m3stack.engine.runtime.sampler import DeviceSample, SamplingBatch, build_sampling_batch, sample_on_device
 from m3stack.engine.runtime.scheduler import SchedulerOutput
@@ -70,13 +80,18 @@ class RunnerTiming:
 
 @dataclass
 class LaunchedStep:
-    """A step whose device work is enqueued; ``ModelRunner.finish`` collects its tokens."""
+    """A step whose device work is enqueued; ``ModelRunner.finish`` collects its tokens.
+
+    ``sample`` stays None until the sampling is launched: at once, or for a step with grammar rows, by
+    ``ModelRunner.sample`` once the masks are built from ``logits``."""
 
     sampling_requests: list[Request]
     batch: SamplingBatch | None
     sample: DeviceSample | None
     prepare_s: float
     events: tuple[torch.cuda.Event, torch.cuda.Event] | None
+    logits: torch.Tensor | None = None
+    prompt_logprobs: LaunchedPromptLogprobs | None = None
 
 
 class ModelRunner:
@@ -92,6 +107,7 @@ class ModelRunner:
         dtype: torch.dtype,
         decode_graphs: DecodeGraphs | None = None,
         offload: "DeviceOffload | None" = None,
+        max_num_seqs: int = 256,
     ) -> None:
         self.model = model
         self.backend = backend
@@ -115,6 +131,10 @@ class ModelRunner:
         self._previous_rows: dict[str, int] = {}
         # Recorded after a step's input copies were enqueued (see _wait_inputs_consumed).
         self._inputs_consumed: torch.cuda.Event | None = None
+        # Penalized requests' token counts (device, persistent) and the grammar masks' buffers (made on first use).
+        self.token_counts = TokenCounts(max_num_seqs, vocab_size, device)
+        self.max_num_seqs = max_num_seqs
+        self._grammar_masks: GrammarMasks | None = None
 
     def execute(self, out: SchedulerOutput) -> dict[str, SampledToken]:
         """Run a step to completion (launch, then finish)."""
@@ -128,22 +148,48 @@ class ModelRunner:
         if self.offload is not None:
             self.offload.before_step([s.request.request_id for s in out.requests], np.diff(host.query_start_loc))
         events = self._events()
-        logits, prepare_s = self._forward(host, start, events[0] if events else None)
+        targets = prompt_logprob_targets(out, host.query_start_loc)
+        logits, prepare_s, prompt_logprobs = self._forward(host, start, events[0] if events else None, targets)
         if not host.sampling_requests:
-            return LaunchedStep([], None, None, prepare_s, None)
-        batch = build_sampling_batch(host.sampling_requests, self.vocab_size, self.device)
-        on_device = sample_on_device(logits, batch)
-        if events:
-            events[1].record()
+            return LaunchedStep([], None, None, prepare_s, None, prompt_logprobs=prompt_logprobs)
+        batch = build_sampling_batch(host.sampling_requests, self.vocab_size, self.device, self.token_counts)
+        step = LaunchedStep(host.sampling_requests, batch, None, prepare_s, events, logits, prompt_logprobs)
+        if batch.controls is None or not batch.controls.needs_masks:
+            self._launch_sampling(step)
+        return step
+
+    @torch.inference_mode()
+    def sample(self, step: LaunchedStep) -> None:
+        """Launch a step's deferred sampling: build its grammar masks from the matchers as they are now (every
+        earlier step's tokens applied), upload them and sample.  Nothing to do for a step already sampled."""
+        if step.sample is not None or step.batch is None or step.batch.controls is None:
+            return
+        controls = step.batch.controls
+        assert controls.grammars is not None
+        if self._grammar_masks is None:
+            self._grammar_masks = GrammarMasks(self.max_num_seqs, self.vocab_size, self.device)
+        controls.bitmask = self._grammar_masks.fill(controls.grammars)
+        self._launch_sampling(step)
+
+    def _launch_sampling(self, step: LaunchedStep) -> None:
+        assert step.batch is not None and step.logits is not None
+        on_device = sample_on_device(step.logits, step.batch)
+        step.logits = None
+        if step.events:
+            step.events[1].record()
         on_device.start_copy()  # finish() waits for this copy, not for the steps launched after this one
+        step.sample = on_device
         self._previous_tokens = on_device.token_ids
-        self._previous_rows = {request.request_id: row for row, request in enumerate(host.sampling_requests)}
-        return LaunchedStep(host.sampling_requests, batch, on_device, prepare_s, events)
+        self._previous_rows = {request.request_id: row for row, request in enumerate(step.sampling_requests)}
 
     def finish(self, step: LaunchedStep) -> dict[str, SampledToken]:
         """Wait for a launched step's tokens (the one synchronization of a step)."""
-        if step.sample is None or step.batch is None:
+        if step.prompt_logprobs is not None:
+            step.prompt_logprobs.collect()
+        if step.batch is None:
             return {}
+        if step.sample is None:
+            raise RuntimeError("finish() of a step whose sampling was never launched (ModelRunner.sample)")
         tokens = step.sample.to_host(step.batch)
         if self.timing:
             gpu_s = step.events[0].elapsed_time(step.events[1]) / 1e3 if step.events else 0.0
@@ -170,14 +216,15 @@ class ModelRunner:
         input_ids.index_copy_(0, rows, self._previous_tokens.index_select(0, sources_on_device))
 
     def _forward(
-        self, host: HostInputs, start: float, launched: torch.cuda.Event | None
-    ) -> tuple[torch.Tensor | None, float]:
-        """Logits of the sampling rows (graph replay for plain decode when possible) and the host prepare time.
+        self, host: HostInputs, start: float, launched: torch.cuda.Event | None, targets: list[PromptLogprobTargets]
+    ) -> tuple[torch.Tensor | None, float, LaunchedPromptLogprobs | None]:
+        """Logits of the sampling rows (graph replay for plain decode when possible), the host prepare time, and
+        the prompt logprobs of ``targets`` (prefill rows: always an eager step).
 
         ``launched`` is recorded right before the forward is launched, after all host-side preparation.
         """
         self._wait_inputs_consumed()
-        if self.decode_graphs is not None and not host.mm_slices:
+        if self.decode_graphs is not None and not host.mm_slices and not targets:
             size = self.decode_graphs.prepare(host)
             if size is not None:
                 self._fill_placeholders(self.decode_graphs.buffers.input_ids, host)
@@ -186,7 +233,7 @@ class ModelRunner:
                 prepare_s = time.perf_counter() - start
                 if launched is not None:
                     launched.record()
-                return self.decode_graphs.replay(size, len(host.seq_lens)), prepare_s
+                return self.decode_graphs.replay(size, len(host.seq_lens)), prepare_s, None
             if len(host.input_ids) == len(host.seq_lens):
                 self.num_graph_misses += 1
                 log = logger.info if self.num_graph_misses == 1 else logger.debug
@@ -201,9 +248,10 @@ class ModelRunner:
         if launched is not None:
             launched.record()
         hidden = self.model.forward(inputs.input_ids, inputs.positions, self.backend, inputs.mm_rows, inputs.mm_embeds)
+        prompt_logprobs = launch_prompt_logprobs(self.model, hidden, targets) if targets else None
         if not len(host.logits_rows):
-            return None, prepare_s
-        return self.model.compute_logits(hidden[inputs.logits_rows]), prepare_s
+            return None, prepare_s, prompt_logprobs
+        return self.model.compute_logits(hidden[inputs.logits_rows]), prepare_s, prompt_logprobs
 
     def _record_inputs_consumed(self) -> None:
         if self.device.type == "cuda":
@@ -231,7 +279,7 @@ class ModelRunner:
                 pixels = item.pixel_values.to(self.device, non_blocking=True)
                 if pixels.is_floating_point():
                     pixels = pixels.to(self.dtype)
-                grid = torch.tensor([item.grid_thw], dtype=torch.int64, device=self.device)
+                grid = torch.tensor(item.grids, dtype=torch.int64, device=self.device)
                 modality = "video" if item.modality is Modality.VIDEO else "image"
                 embeds = self.model.encode_vision(pixels, grid, modality)
                 self.encoder_cache.put(item.content_hash, embeds)

@@ -1,10 +1,12 @@
 """Token sampling on the device for a batch of requests, one row of logits each.
 
-Per row: greedy (temperature 0) or temperature, then top-k, top-p and min-p filtering, then an
-exponential race (argmax of ``p / q`` with ``q ~ Exp(1)``, equivalent to drawing from ``p``).  A
-request with a seed draws its noise from its own generator, so its tokens do not depend on which
-other requests share the batch.  Until a request has ``min_new_tokens`` tokens its EOS and stop ids
-are masked out.
+Per row, the logits first go through the request's controls: repetition, frequency and presence penalties and
+logit bias (``penalties.py``), then until a request has ``min_new_tokens`` tokens its EOS and stop ids are masked
+out, then its grammar's token mask (``grammar.py``).  Then greedy (temperature 0) or temperature, top-k, top-p and
+min-p filtering, and an exponential race (argmax of ``p / q`` with ``q ~ Exp(1)``, equivalent to drawing from
+``p``).  A request with a seed draws its noise from its own generator, so its tokens do not depend on which other
+requests share the batch.  Rows without controls go through every control step unchanged, so a batch that mixes
+constrained and free requests samples the free ones exactly as a batch of free requests would.
 
 Reported logprobs are those of the model's own distribution (``log_softmax`` of the raw logits),
 before temperature and filtering, as OpenAI-compatible servers report them.
@@ -16,7 +18,28 @@ from dataclasses import dataclass, field
 import torch
 
 from m3stack.engine.host_copy import upload
+from m3stack.engine.runtime.grammar import RequestGrammar, apply_bitmask
+from m3stack.engine.runtime.penalties import TokenCounts, apply_logit_bias, apply_penalties
 from m3stack.engine.runtime.request import Request, SampledToken
+
+
+@dataclass
+class LogitControls:
+    """A step's per-row logit changes before sampling; a part that no row uses is None."""
+
+    counts: TokenCounts | None = None
+    penalty_slots: torch.Tensor | None = None  # [n] int64 slot of each row in ``counts``
+    presence: torch.Tensor | None = None  # [n] float32
+    frequency: torch.Tensor | None = None  # [n] float32
+    repetition: torch.Tensor | None = None  # [n] float32
+    bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None  # (rows, token ids, values)
+    grammars: list[RequestGrammar | None] | None = None  # per row, when any row has a grammar
+    bitmask: torch.Tensor | None = None  # [n, ceil(V / 32)] int32 on the device, set once the masks are built
+
+    @property
+    def needs_masks(self) -> bool:
+        """Sampling must wait for the grammar masks (built after the previous step's tokens are applied)."""
+        return self.grammars is not None and self.bitmask is None
 
 
 @dataclass
@@ -37,13 +60,77 @@ class SamplingBatch:
     banned_tokens: torch.Tensor | None  # [m] int64: (row, token) pairs masked out (min_new_tokens)
     num_top_logprobs: list[int]  # per row; 0 = none
     wants_logprobs: list[bool]
+    controls: LogitControls | None = None
+
+
+def build_controls(requests: Sequence[Request], counts: TokenCounts, device: torch.device) -> LogitControls | None:
+    """The step's ``LogitControls``, or None when no row has any (the common case costs one pass over the rows)."""
+    params = [request.sampling for request in requests]
+    penalized = any(p.uses_penalties for p in params)
+    biased = any(p.logit_bias for p in params)
+    constrained = any(request.grammar is not None for request in requests)
+    if not (penalized or biased or constrained):
+        return None
+    controls = LogitControls()
+    if penalized:
+        controls.counts = counts
+        controls.penalty_slots = _tensor(counts.slots_for(requests), torch.int64, device)
+        controls.presence = _tensor([p.presence_penalty for p in params], torch.float32, device)
+        controls.frequency = _tensor([p.frequency_penalty for p in params], torch.float32, device)
+        controls.repetition = _tensor([p.repetition_penalty for p in params], torch.float32, device)
+    if biased:
+        rows = [row for row, p in enumerate(params) for _ in p.logit_bias]
+        token_ids = [token for p in params for token, _ in p.logit_bias]
+        values = [bias for p in params for _, bias in p.logit_bias]
+        controls.bias = (
+            _tensor(rows, torch.int64, device),
+            _tensor(token_ids, torch.int64, device),
+            _tensor(values, torch.float32, device),
+        )
+    if constrained:
+        controls.grammars = [request.grammar for request in requests]
+    return controls
+
+
+def _apply_controls(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    """The logits sampling draws from: ``logits`` itself when nothing applies, else a changed copy."""
+    controls = batch.controls
+    if controls is None and batch.banned_rows is None:
+        return logits
+    logits = logits.clone()  # the forward's logits may be a CUDA graph's output buffer, and feed the logprobs
+    if controls is not None and controls.penalty_slots is not None:
+        counts = controls.counts
+        assert counts is not None and counts.counts is not None and counts.in_prompt is not None
+        assert controls.presence is not None and controls.frequency is not None and controls.repetition is not None
+        slots = controls.penalty_slots
+        logits = apply_penalties(
+            logits,
+            counts.counts.index_select(0, slots),
+            counts.in_prompt.index_select(0, slots),
+            controls.presence,
+            controls.frequency,
+            controls.repetition,
+        )
+    if controls is not None and controls.bias is not None:
+        apply_logit_bias(logits, *controls.bias)
+    if batch.banned_rows is not None:
+        logits[batch.banned_rows, batch.banned_tokens] = float("-inf")
+    if controls is not None and controls.grammars is not None:
+        if controls.bitmask is None:
+            raise RuntimeError("a step with grammar rows was sampled before its masks were built")
+        apply_bitmask(logits, controls.bitmask)
+    return logits
 
 
 def _tensor(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     return upload(torch.tensor(values, dtype=dtype), device)
 
 
-def build_sampling_batch(requests: Sequence[Request], vocab_size: int, device: torch.device) -> SamplingBatch:
+def build_sampling_batch(
+    requests: Sequence[Request], vocab_size: int, device: torch.device, counts: TokenCounts | None = None
+) -> SamplingBatch:
+    """``counts`` holds the penalized requests' token counts on the device (one per runner: they persist across
+    steps); without it a batch with penalties gets a fresh one, which only suits a single step (tests)."""
     params = [request.sampling for request in requests]
     banned_rows: list[int] = []
     banned_tokens: list[int] = []
@@ -58,6 +145,7 @@ def build_sampling_batch(requests: Sequence[Request], vocab_size: int, device: t
         "banned_tokens": _tensor(banned_tokens, torch.int64, device) if banned_tokens else None,
         "num_top_logprobs": [p.top_logprobs for p in params],
         "wants_logprobs": [p.wants_logprobs for p in params],
+        "controls": build_controls(requests, counts or TokenCounts(len(requests), vocab_size, device), device),
     }
     if all(p.greedy for p in params):
         return SamplingBatch(True, None, None, None, None, None, {}, **common)
@@ -171,12 +259,13 @@ def sample_on_device(logits: torch.Tensor, batch: SamplingBatch) -> DeviceSample
     logprobs = None
     if any(batch.wants_logprobs):
         logprobs = logits.log_softmax(dim=-1)
-    if batch.banned_rows is not None:
-        logits = logits.clone()
-        logits[batch.banned_rows, batch.banned_tokens] = float("-inf")
+    logits = _apply_controls(logits, batch)
     token_ids = logits.argmax(dim=-1)
     if not batch.all_greedy:
         token_ids = torch.where(batch.greedy, token_ids, _random_sample(logits, batch))
+    controls = batch.controls
+    if controls is not None and controls.counts is not None and controls.penalty_slots is not None:
+        controls.counts.record(controls.penalty_slots, token_ids)
     if logprobs is None:
         return DeviceSample(token_ids, None, None, None)
     chosen = logprobs.gather(-1, token_ids[:, None]).squeeze(-1)

@@ -27,9 +27,10 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from m3stack.engine.kv_cache.interfaces import KVManager
+from m3stack.engine.kv_cache.manager import blocks_for
 from m3stack.engine.runtime.encoder_cache import EncoderCache
 from m3stack.engine.runtime.errors import QueueFullError
-from m3stack.engine.runtime.kv_cache_manager import KVCacheManager, blocks_for
 from m3stack.engine.runtime.request import (
     FinishReason,
     MultimodalInput,
@@ -106,7 +107,7 @@ class _StepBudget:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, kv: KVCacheManager, encoder_cache: EncoderCache) -> None:
+    def __init__(self, config: SchedulerConfig, kv: KVManager, encoder_cache: EncoderCache) -> None:
         self.config = config
         self.kv = kv
         self.encoder_cache = encoder_cache
@@ -338,7 +339,17 @@ class Scheduler:
             request.transition(RequestStatus.DECODING)
         reason, stop_token = self._stop_reason(request, token.token_id)
         output = RequestOutput(request.request_id)
-        if reason is not FinishReason.STOP:  # a stop token never reaches the client as text
+        if request.grammar is not None and stop_token is None:
+            if not request.grammar.accept(token.token_id):  # the mask allowed it: a bug here or in the grammar engine
+                logger.warning("%s: the grammar rejected token %d: %s", request, token.token_id, request.grammar.error)
+                reason = FinishReason.ABORT
+                output.abort_message = f"the grammar rejected a token: {request.grammar.error}"
+            elif request.grammar.complete:
+                reason = FinishReason.STOP  # the output is a whole sentence of the grammar: nothing may follow
+        if request.prompt_logprobs is not None and not request.prompt_logprobs_sent:
+            output.prompt_logprobs = request.prompt_logprobs
+            request.prompt_logprobs_sent = True
+        if stop_token is None:  # a stop token never reaches the client as text
             output.new_token_ids.append(token.token_id)
             if token.logprob is not None:
                 output.new_logprobs.append(token.logprob)

@@ -13,8 +13,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from m3stack.engine.runtime.config import ModelInfo
 from m3stack.engine.runtime.errors import InvalidRequestError
+from m3stack.engine.runtime.model_info import ModelInfo
 from m3stack.engine.runtime.request import Modality, MultimodalInput, Request, SamplingParams
 
 MAX_REQUEST_ID_LENGTH = 256
@@ -27,7 +27,7 @@ class MultimodalSpec:
     modality: Modality
     content_hash: str
     pixel_values: torch.Tensor
-    grid_thw: tuple[int, ...]
+    grids: tuple[tuple[int, ...], ...]  # (t, h, w) per vision segment, as sent
     placeholders: tuple[tuple[int, int], ...]
 
 
@@ -119,17 +119,13 @@ def _multimodal_input(
     info: ModelInfo, tokens: np.ndarray, index: int, item: MultimodalSpec, placeholder_id: int
 ) -> MultimodalInput:
     where = f"mm_items[{index}]"
-    if len(item.grid_thw) != 3 or any(v <= 0 for v in item.grid_thw):
-        raise InvalidRequestError(f"{where}.grid_thw must be 3 positive integers (t, h, w), got {list(item.grid_thw)}")
-    t, h, w = (int(v) for v in item.grid_thw)
-    merge = info.spatial_merge_size
-    if h % merge or w % merge:
-        raise InvalidRequestError(f"{where}.grid_thw h={h}, w={w} must be multiples of the merge size {merge}")
-    num_patches = t * h * w
+    grids = _checked_grids(where, item, info.spatial_merge_size)
+    merge_unit = info.spatial_merge_size**2
+    num_patches = sum(t * h * w for t, h, w in grids)
     expected_shape = (num_patches, info.patch_dim)
     if tuple(item.pixel_values.shape) != expected_shape:
         raise InvalidRequestError(
-            f"{where}.pixel_values has shape {list(item.pixel_values.shape)}; grid_thw {[t, h, w]} needs "
+            f"{where}.pixel_values has shape {list(item.pixel_values.shape)}; grids {_grid_text(grids)} need "
             f"{list(expected_shape)}"
         )
     if item.pixel_values.is_floating_point() and not bool(torch.isfinite(item.pixel_values).all()):
@@ -147,20 +143,65 @@ def _multimodal_input(
         positions.append(offset + np.flatnonzero(tokens[offset : offset + length] == placeholder_id))
         previous_end = offset + length
     embed_positions = np.concatenate(positions) if positions else np.zeros(0, dtype=np.int64)
-    num_embeds = num_patches // (merge * merge)
+    num_embeds = num_patches // merge_unit
     if embed_positions.size != num_embeds:
         raise InvalidRequestError(
-            f"{where} produces {num_embeds} embeddings (grid {[t, h, w]}, merge {merge}) but its placeholder "
-            f"ranges hold {embed_positions.size} {item.modality.value} tokens (id {placeholder_id})"
+            f"{where} produces {num_embeds} embeddings (grids {_grid_text(grids)}, merge {info.spatial_merge_size}) "
+            f"but its placeholder ranges hold {embed_positions.size} {item.modality.value} tokens (id {placeholder_id})"
         )
+    _check_segments_fill_ranges(where, grids, [p.size for p in positions], merge_unit)
     if not item.content_hash:
         raise InvalidRequestError(f"{where}.content_hash is empty")
     return MultimodalInput(
         modality=item.modality,
-        # The grid and modality join the caller's hash so a reused hash can never alias different shapes.
-        content_hash=f"{item.content_hash}|{item.modality.value}|{t}x{h}x{w}",
+        # The grids and modality join the caller's hash so a reused hash can never alias different shapes.
+        content_hash=f"{item.content_hash}|{item.modality.value}|{_grid_text(grids)}",
         pixel_values=item.pixel_values,
-        grid_thw=(t, h, w),
+        grids=grids,
         placeholders=tuple((int(o), int(n)) for o, n in item.placeholders),
         embed_positions=torch.from_numpy(embed_positions.astype(np.int64, copy=False)),
     )
+
+
+def _checked_grids(where: str, item: MultimodalSpec, merge: int) -> tuple[tuple[int, int, int], ...]:
+    """The item's vision segments: at least one (t, h, w) of positive sizes with h, w multiples of the merge size;
+    an image is one frame (one grid, t = 1), a video's segments are cut from one frame size."""
+    if not item.grids:
+        raise InvalidRequestError(f"{where}.grids is empty: every item needs one (t, h, w) per vision segment")
+    grids = []
+    for number, grid in enumerate(item.grids):
+        if len(grid) != 3 or any(v <= 0 for v in grid):
+            raise InvalidRequestError(
+                f"{where}.grids[{number}] must be 3 positive integers (t, h, w), got {list(grid)}"
+            )
+        t, h, w = (int(v) for v in grid)
+        if h % merge or w % merge:
+            raise InvalidRequestError(
+                f"{where}.grids[{number}] h={h}, w={w} must be multiples of the merge size {merge}"
+            )
+        grids.append((t, h, w))
+    if item.modality is Modality.IMAGE and (len(grids) != 1 or grids[0][0] != 1):
+        raise InvalidRequestError(f"{where} is an image: one grid with t = 1, got {_grid_text(grids)}")
+    if len({(h, w) for _, h, w in grids}) > 1:
+        raise InvalidRequestError(f"{where}.grids differ in h or w: {_grid_text(grids)} (one video has one frame size)")
+    return tuple(grids)
+
+
+def _check_segments_fill_ranges(
+    where: str, grids: Sequence[tuple[int, int, int]], range_tokens: Sequence[int], merge_unit: int
+) -> None:
+    """Each segment's embeddings end where a placeholder range ends: a range never holds the end of one vision
+    segment and the start of the next, so the grids and the prompt agree on where segments (and frames) start."""
+    range_ends = set(itertools.accumulate(range_tokens))
+    segment_end = 0
+    for number, (t, h, w) in enumerate(grids[:-1]):
+        segment_end += t * h * w // merge_unit
+        if segment_end not in range_ends:
+            raise InvalidRequestError(
+                f"{where}.grids[{number}] ends after {segment_end} embeddings, inside a placeholder range "
+                f"(ranges hold {list(range_tokens)} tokens): a segment's embeddings must fill whole ranges"
+            )
+
+
+def _grid_text(grids: Sequence[tuple[int, int, int]]) -> str:
+    return ",".join(f"{t}x{h}x{w}" for t, h, w in grids)

@@ -83,8 +83,6 @@ def warm_up(core: EngineCore, seed: int = 0) -> WarmupReport:
 
 def _forget(core: EngineCore) -> None:
     """Drop what the warm-up left: its cached blocks, the prefix and preemption counters, the step count."""
-    kv = core.scheduler.kv
-    kv.pool.reset_prefix_cache()
-    kv.prefix_query_tokens = kv.prefix_hit_tokens = 0
+    core.scheduler.kv.reset_prefix_cache()
     core.scheduler.num_preemptions = 0
     core.num_steps = 0

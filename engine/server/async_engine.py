@@ -145,7 +145,12 @@ class AsyncEngine:
         if request.request_id in self._streams:
             raise DuplicateRequestError(f"request_id {request.request_id!r} is already running")
         self._streams[request.request_id] = sink
-        self._commands.put(_Add(request, bypass_queue_limit))
+        add = _Add(request, bypass_queue_limit)
+        if request.grammar is not None and not request.grammar.ready:
+            # Handed to the engine thread once its grammar compiled (or failed to: add_request then refuses it).
+            request.grammar.add_done_callback(lambda: self._commands.put(add))
+        else:
+            self._commands.put(add)
 
     def release(self, request_id: str, finished: bool) -> None:
         """The consumer is done with a submitted request; one that has not finished is aborted."""
@@ -233,7 +238,9 @@ class AsyncEngine:
         except queue.Empty:
             return
         while True:
-            if isinstance(command, _Add):
+            if isinstance(command, _Add) and command.request.request_id not in self._streams:
+                pass  # released while its grammar compiled: nobody waits for it
+            elif isinstance(command, _Add):
                 try:
                     self.core.add_request(command.request, bypass_queue_limit=command.bypass_queue_limit)
                     self.observer.on_request_added(command.request)

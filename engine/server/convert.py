@@ -15,10 +15,10 @@ from pathlib import Path
 
 import torch
 
-from m3stack.engine.proto import engine_pb2 as pb
 from m3stack.engine.runtime.errors import InvalidRequestError
 from m3stack.engine.runtime.request import FinishReason, Modality, RequestOutput, SamplingParams
 from m3stack.engine.runtime.validation import MultimodalSpec
+from m3stack.proto import engine_pb2 as pb
 
 SHM_DIR = Path("/dev/shm")
 _SHM_NAME = re.compile(r"^[A-Za-z0-9._-]{1,255}$")
@@ -55,7 +55,22 @@ def sampling_from_proto(message: pb.SamplingParams) -> SamplingParams:
         ignore_eos=bool(get("ignore_eos", False)),
         logprobs=bool(get("logprobs", False)),
         top_logprobs=int(get("top_logprobs", 0)),
+        presence_penalty=float(get("presence_penalty", 0.0)),
+        frequency_penalty=float(get("frequency_penalty", 0.0)),
+        repetition_penalty=float(get("repetition_penalty", 1.0)),
+        logit_bias=tuple(sorted((int(token), float(bias)) for token, bias in message.logit_bias.items())),
+        prompt_logprobs=get("prompt_logprobs", None),
+        grammar=_grammar_text(message),
     )
+
+
+def _grammar_text(message: pb.SamplingParams) -> str | None:
+    if not message.HasField("grammar"):
+        return None
+    kind = message.grammar.WhichOneof("kind")
+    if kind != "lark":
+        raise InvalidRequestError("grammar has no kind set (expected grammar.lark)")
+    return message.grammar.lark
 
 
 def tensor_from_proto(message: pb.Tensor, where: str, max_bytes: int) -> torch.Tensor:
@@ -138,7 +153,7 @@ def mm_items_from_proto(items, max_tensor_bytes: int) -> list[MultimodalSpec]:
                 modality=modality,
                 content_hash=pixel_digest(pixel_values),
                 pixel_values=pixel_values,
-                grid_thw=tuple(int(v) for v in item.grid_thw),
+                grids=tuple((int(g.t), int(g.h), int(g.w)) for g in item.grids),
                 placeholders=tuple((int(p.offset), int(p.length)) for p in item.placeholders),
             )
         )
@@ -150,7 +165,8 @@ def responses_from_outputs(request_id: str, outputs: list[RequestOutput]) -> lis
     responses = []
     tokens = [t for o in outputs for t in o.new_token_ids]
     last = outputs[-1]
-    if tokens:
+    prompt_logprobs = next((o.prompt_logprobs for o in outputs if o.prompt_logprobs is not None), None)
+    if tokens or prompt_logprobs is not None:
         chunk = pb.GenerateChunk(
             token_ids=tokens,
             logprobs=[lp for o in outputs for lp in o.new_logprobs],
@@ -161,6 +177,11 @@ def responses_from_outputs(request_id: str, outputs: list[RequestOutput]) -> lis
             completion_tokens=last.num_output_tokens,
             cached_tokens=last.num_cached_tokens,
         )
+        if prompt_logprobs is not None:
+            chunk.prompt_logprobs.logprobs.extend(prompt_logprobs.logprobs)
+            chunk.prompt_logprobs.top_logprobs.extend(
+                pb.TopLogprobs(token_ids=ids, logprobs=values) for ids, values in prompt_logprobs.top
+            )
         responses.append(pb.GenerateResponse(request_id=request_id, chunk=chunk))
     if last.finish_reason is not None:
         complete = pb.GenerateComplete(

@@ -9,7 +9,7 @@ engine loop -> UNAVAILABLE; a live duplicate id -> ALREADY_EXISTS.  Cancelling a
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass
 
 import grpc
@@ -17,14 +17,17 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1._async import HealthServicer
 
 from m3stack import __version__
-from m3stack.engine.proto import engine_pb2 as pb
-from m3stack.engine.proto import engine_pb2_grpc
 from m3stack.engine.runtime.errors import EngineError, ErrorCode
 from m3stack.engine.runtime.request import Request
 from m3stack.engine.runtime.validation import build_request
 from m3stack.engine.server.async_engine import AsyncEngine
 from m3stack.engine.server.convert import mm_items_from_proto, responses_from_outputs, sampling_from_proto
 from m3stack.engine.server.multiplex import MultiplexedStream
+from m3stack.engine.server.request_log import log_admitted
+from m3stack.logs import set_request_id
+from m3stack.proto import engine_pb2 as pb
+from m3stack.proto import engine_pb2_grpc
+from m3stack.tracing import TRACE_HEADERS
 
 logger = logging.getLogger(__name__)
 
@@ -37,6 +40,9 @@ _STATUS = {
     ErrorCode.INTERNAL: grpc.StatusCode.INTERNAL,
 }
 DEFAULT_HEALTH_TIMEOUT_S = 20.0
+REQUEST_ID_KEY = "x-request-id"
+# What a request's metadata may carry into the engine (anything else, such as grpc-* keys, stays out).
+REQUEST_METADATA_KEYS = (REQUEST_ID_KEY, *TRACE_HEADERS)
 Context = grpc.aio.ServicerContext
 
 
@@ -54,8 +60,8 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
         self.info = engine.info
         self.settings = settings
 
-    def _build(self, request: pb.GenerateRequest) -> Request:
-        return build_request(
+    def _build(self, request: pb.GenerateRequest, call_metadata: Mapping[str, str] | None = None) -> Request:
+        engine_request = build_request(
             self.info,
             request.request_id,
             request.input_ids,
@@ -64,11 +70,19 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
             cache_salt=request.cache_salt,
             priority=request.priority,
         )
+        engine_request.metadata = request_metadata(request, call_metadata)
+        log_admitted(engine_request)
+        if engine_request.sampling.grammar is not None:  # compiles on a worker thread; submit() waits for it
+            engine_request.grammar = self.engine.core.grammar_compiler().submit(engine_request.sampling.grammar)
+        return engine_request
 
     # Method names are the service's RPC names, hence N802.
     async def Generate(self, request: pb.GenerateRequest, context: Context):  # noqa: N802
+        call_metadata = {key: value for key, value in context.invocation_metadata() or () if isinstance(value, str)}
+        # This call's task serves this one request: its log lines carry the request's id until it ends.
+        set_request_id(call_metadata.get(REQUEST_ID_KEY) or request.metadata.get(REQUEST_ID_KEY))
         try:
-            engine_request = self._build(request)
+            engine_request = self._build(request, call_metadata)
             async for outputs in self.engine.generate(engine_request):
                 for response in responses_from_outputs(request.request_id, outputs):
                     yield response
@@ -130,6 +144,12 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
             max_num_running=config.max_num_seqs,
             max_num_waiting=config.max_waiting,
         )
+
+
+def request_metadata(request: pb.GenerateRequest, call_metadata: Mapping[str, str] | None) -> dict[str, str]:
+    """The request's id and trace context: from its ``metadata`` field, or the call's gRPC metadata (``Generate``)."""
+    merged = {**request.metadata, **(call_metadata or {})}
+    return {key: merged[key] for key in REQUEST_METADATA_KEYS if merged.get(key)}
 
 
 class GrpcServer:

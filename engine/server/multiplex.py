@@ -13,11 +13,12 @@ from collections.abc import AsyncIterator, Callable
 
 import grpc
 
-from m3stack.engine.proto import engine_pb2 as pb
 from m3stack.engine.runtime.errors import EngineError
 from m3stack.engine.runtime.request import Request, RequestOutput
 from m3stack.engine.server.async_engine import AsyncEngine
 from m3stack.engine.server.convert import responses_from_outputs
+from m3stack.logs import request_context
+from m3stack.proto import engine_pb2 as pb
 
 
 def error_response(request_id: str, status: grpc.StatusCode, message: str) -> pb.GenerateResponse:
@@ -69,7 +70,8 @@ class MultiplexedStream:
 
     def _start(self, request: pb.GenerateRequest) -> None:
         try:
-            self._engine.submit(self._build(request), self)
+            with request_context(request.metadata.get("x-request-id")):  # log lines of its build and admission
+                self._engine.submit(self._build(request), self)
         except EngineError as exc:
             self._refusals.append(error_response(request.request_id, self._status_of(exc), exc.message))
             self._wakeup.set()

@@ -5,11 +5,16 @@ import logging
 import signal
 from dataclasses import dataclass
 
-from m3stack.engine.runtime.config import EngineConfig
+from prometheus_client import CollectorRegistry, disable_created_metrics
+
+from m3stack.engine.assembly.config import EngineConfig
 from m3stack.engine.server.async_engine import AsyncEngine
 from m3stack.engine.server.grpc_server import GrpcServer, GrpcSettings
 from m3stack.engine.server.http import ServingState, SidePortServer
 from m3stack.engine.server.metrics import EngineMetrics
+from m3stack.engine.server.request_log import log_finished
+from m3stack.engine.server.tracing import RequestSpans
+from m3stack.tracing import tracer_from_environment
 
 logger = logging.getLogger(__name__)
 
@@ -27,7 +32,7 @@ class ServeSettings:
 
 async def serve(settings: ServeSettings, stop: asyncio.Event | None = None) -> int:
     """Serve until ``stop`` is set or SIGTERM/SIGINT arrives; returns the process exit code."""
-    from m3stack.engine.runtime.builder import build_engine_core  # torch: load it only when serving
+    from m3stack.engine.assembly.build import build_engine_core  # torch: load it only when serving
 
     stop = stop or asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -37,9 +42,17 @@ async def serve(settings: ServeSettings, stop: asyncio.Event | None = None) -> i
         except (NotImplementedError, RuntimeError):  # not the main thread (tests drive serve() directly)
             break
 
-    metrics = EngineMetrics()
+    try:
+        tracer = tracer_from_environment("m3stack-engine")
+    except ValueError as exc:
+        logger.error("tracing: %s", exc)
+        return 2
+    # As vLLM's server: no `<counter>_created` series (a timestamp per counter and histogram that no dashboard
+    # reads, doubling the series a scrape returns).
+    disable_created_metrics()
+    registry = CollectorRegistry()  # served before the model loads; the metrics join it once it has
     state = ServingState()
-    side_port = SidePortServer(state, metrics.registry, settings.metrics_host, settings.metrics_port)
+    side_port = SidePortServer(state, registry, settings.metrics_host, settings.metrics_port)
     await side_port.start()
     try:
         try:
@@ -47,6 +60,10 @@ async def serve(settings: ServeSettings, stop: asyncio.Event | None = None) -> i
         except (OSError, ValueError) as exc:
             logger.error("cannot start the engine: %s", exc)
             return 1
+        metrics = EngineMetrics(core.info.served_model_name, core.info.max_model_len, registry)
+        metrics.on_finished.append(log_finished)
+        if tracer is not None:
+            metrics.on_finished.append(RequestSpans(tracer))
         engine = AsyncEngine(core, metrics)
         engine.start()
         grpc_server = GrpcServer(engine, settings.grpc)

@@ -10,16 +10,31 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
+from opentelemetry import trace
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import JSONResponse, PlainTextResponse, Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from m3stack import __version__
+from m3stack.gateway.api.access_log import ACCESS_STATE_KEY, enable_access_log
 from m3stack.gateway.api.auth import ApiKeys
+from m3stack.gateway.api.config import GatewayConfig
 from m3stack.gateway.api.errors import HTTP_ERROR_CODES, api_error_response, http_error_response
 from m3stack.gateway.api.fast_path import CompletionFastPath
 from m3stack.gateway.api.prompts import PromptBuilder
-from m3stack.gateway.api.schemas import (
+from m3stack.gateway.api.rate_limit import ANONYMOUS_KEY, RateLimiter, charged_tokens
+from m3stack.gateway.api.request_tracking import TrackedRequest
+from m3stack.gateway.api.service import CompletionService
+from m3stack.gateway.api.tokenize_api import DetokenizeRequest, DetokenizeResponse, TokenizeRequest, TokenizeResponse
+from m3stack.gateway.api.validation_errors import validation_error_body
+from m3stack.gateway.engine_client.discovery import DnsDiscovery
+from m3stack.gateway.engine_client.pool import EnginePool
+from m3stack.gateway.errors import APIError
+from m3stack.gateway.generation.dispatch import Dispatcher
+from m3stack.gateway.metrics import GatewayMetrics
+from m3stack.gateway.multimodal import MediaPipeline, load_profile
+from m3stack.gateway.routing.policies import make_policy
+from m3stack.gateway.schemas import (
     ChatCompletionRequest,
     ChatCompletionResponse,
     CompletionRequest,
@@ -28,17 +43,9 @@ from m3stack.gateway.api.schemas import (
     ModelCard,
     ModelList,
 )
-from m3stack.gateway.api.service import CompletionService
-from m3stack.gateway.config import GatewayConfig
-from m3stack.gateway.engines.discovery import DnsDiscovery
-from m3stack.gateway.engines.pool import EnginePool
-from m3stack.gateway.errors import APIError
-from m3stack.gateway.generation.dispatch import Dispatcher
-from m3stack.gateway.metrics import GatewayMetrics
-from m3stack.gateway.multimodal import MediaPipeline, load_profile
-from m3stack.gateway.routing.policies import make_policy
 from m3stack.gateway.tokenize.chat_template import ChatTemplate
 from m3stack.gateway.tokenize.tokenizer import ModelTokenizer
+from m3stack.logs import request_context
 
 logger = logging.getLogger(__name__)
 
@@ -49,6 +56,7 @@ ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
         (401, "missing or wrong API key"),
         (404, "unknown model"),
         (413, "request body too large"),
+        (429, "this API key is over a rate limit (see Retry-After)"),
         (502, "an engine failed"),
         (503, "no engine can take the request now (see Retry-After)"),
     ]
@@ -64,6 +72,8 @@ STREAMING_RESPONSE: dict[int | str, dict[str, Any]] = {
     200: {"content": {"text/event-stream": {"schema": SSE_EVENT_SCHEMA}}, "description": "JSON, or SSE when streamed"}
 }
 API_PATHS = ("/v1/chat/completions", "/v1/completions", "/v1/models")
+RATE_LIMITED_PATHS = ("/v1/chat/completions", "/v1/completions")
+TOKENIZER_PATHS = ("/tokenize", "/detokenize")  # vLLM's, at the root; they need an API key like /v1
 PROMETHEUS_CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
 
@@ -72,7 +82,7 @@ class GatewayState:
 
     def __init__(self, config: GatewayConfig) -> None:
         self.config = config
-        self.metrics = GatewayMetrics()
+        self.metrics = GatewayMetrics(config.served_model_name)
         self.tokenizer = ModelTokenizer.from_folder(config.model_dir)
         template = self.tokenizer.chat_template
         self.chat_template = ChatTemplate(template, self.tokenizer.special_tokens) if template else None
@@ -88,6 +98,8 @@ class GatewayState:
             self.pool,
             self.dispatcher,
             self.metrics,
+            config.request_limits,
+            thinking_mode=config.thinking_mode,
         )
         self.api_keys = ApiKeys(config.api_key_file) if config.api_key_file else None
         self.discovery: DnsDiscovery | None = None
@@ -130,8 +142,11 @@ def media_pipeline(config: GatewayConfig) -> MediaPipeline | None:
     return MediaPipeline(profile, config.media_limits, workers=config.media_workers)
 
 
-def create_app(config: GatewayConfig) -> FastAPI:
+def create_app(config: GatewayConfig, tracer: trace.Tracer | None = None) -> FastAPI:
+    """``tracer``: where the request spans go (None: no tracing; the CLI passes the OTEL_* variables' one)."""
     state = GatewayState(config)
+    if config.access_log:
+        enable_access_log()
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -143,7 +158,7 @@ def create_app(config: GatewayConfig) -> FastAPI:
 
     app = FastAPI(
         # FastAPI's built-in OpenTelemetry checks its providers on every request (about 4% of the CPU a
-        # streamed request costs); the gateway exports Prometheus metrics instead.
+        # streamed request costs); the gateway makes its own span per request, only when tracing is on.
         telemetry={"tracing": False, "metrics": False, "logs": False},
         title="m3stack gateway",
         version=__version__,
@@ -156,7 +171,13 @@ def create_app(config: GatewayConfig) -> FastAPI:
     # Middleware added last runs first: RequestGuard, then the fast path, then FastAPI's routing.
     app.add_middleware(CompletionFastPath, service=state.service)
     app.add_middleware(
-        RequestGuard, metrics=state.metrics, max_body_bytes=config.max_request_bytes, api_keys=state.api_keys
+        RequestGuard,
+        metrics=state.metrics,
+        max_body_bytes=config.max_request_bytes,
+        api_keys=state.api_keys,
+        tracer=tracer,
+        access_log=config.access_log,
+        rate_limiter=RateLimiter(config.rate_limits) if config.rate_limits.enabled else None,
     )
     return app
 
@@ -191,6 +212,14 @@ def _add_routes(app: FastAPI, state: GatewayState) -> None:
                 )
             ]
         )
+
+    @app.post("/tokenize", response_model=TokenizeResponse, responses=ERROR_RESPONSES, summary="vLLM's /tokenize")
+    async def tokenize(body: TokenizeRequest) -> TokenizeResponse:
+        return await state.service.tokenize(body)
+
+    @app.post("/detokenize", response_model=DetokenizeResponse, responses=ERROR_RESPONSES, summary="vLLM's /detokenize")
+    async def detokenize(body: DetokenizeRequest) -> DetokenizeResponse:
+        return state.service.detokenize(body)
 
     @app.get("/health", summary="Liveness: the process serves HTTP")
     async def health() -> dict[str, str]:
@@ -236,27 +265,29 @@ def _install_error_handlers(app: FastAPI) -> None:
         return JSONResponse(error.body(), status_code=500)
 
 
-def validation_error_body(errors: Any) -> dict[str, Any]:
-    """pydantic's first error as an OpenAI error; ``param`` is the dotted field path."""
-    first = errors[0] if errors else {"loc": (), "msg": "invalid request", "type": ""}
-    if first.get("type") == "json_invalid":
-        message = f"The body is not valid JSON: {first.get('ctx', {}).get('error', first['msg'])}"
-        return APIError(400, message, code="invalid_json").body()
-    location = [str(part) for part in first.get("loc", ()) if part != "body"]
-    param = ".".join(location) or None
-    message = f"{param}: {first['msg']}" if param else str(first["msg"])
-    return APIError(400, message, param=param, code="invalid_value").body()
-
-
 class RequestGuard:
-    """Pure ASGI middleware in front of every route: the arrival time, API keys for /v1 (the probes and
-    /metrics stay open), the body size cap (413), and request metrics for /v1."""
+    """Pure ASGI middleware in front of every route: the arrival time, the request's id, trace span and
+    access line (request_tracking.py), API keys for /v1 (the probes and /metrics stay open), the body
+    size cap (413), and request metrics for /v1."""
 
-    def __init__(self, app: ASGIApp, metrics: GatewayMetrics, max_body_bytes: int, api_keys: ApiKeys | None) -> None:
+    def __init__(
+        self,
+        app: ASGIApp,
+        metrics: GatewayMetrics,
+        max_body_bytes: int,
+        api_keys: ApiKeys | None,
+        tracer: trace.Tracer | None = None,
+        access_log: bool = False,
+        rate_limiter: RateLimiter | None = None,
+    ) -> None:
+        """``rate_limiter``: per-API-key limits on the completion routes (429 with Retry-After)."""
         self._app = app
         self._metrics = metrics
         self._max_body_bytes = max_body_bytes
         self._api_keys = api_keys
+        self._tracer = tracer
+        self._access_log = access_log
+        self._rate_limiter = rate_limiter
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -264,21 +295,44 @@ class RequestGuard:
             return
         scope.setdefault("state", {})["arrival_s"] = time.perf_counter()
         path = scope["path"]
+        api_request = path.startswith("/v1/")  # probes and /metrics get no span and no access line
+        try:
+            tracked = TrackedRequest(scope, self._tracer if api_request else None, self._access_log)
+        except APIError as exc:  # a malformed x-request-id
+            await self._reject(scope, send, exc, path if path in API_PATHS else None)
+            return
+        with request_context(tracked.request_id), tracked.activated():
+            try:
+                await self._guard(scope, receive, tracked.sender(send))
+            finally:
+                tracked.finish(api_request)
+
+    async def _guard(self, scope: Scope, receive: Receive, send: Send) -> None:
+        path = scope["path"]
         endpoint = path if path in API_PATHS else None
-        if self._api_keys is not None and path.startswith("/v1/"):
+        if self._api_keys is not None and (path.startswith("/v1/") or path in TOKENIZER_PATHS):
             authorization = next((value for name, value in scope["headers"] if name == b"authorization"), b"")
             try:
-                self._api_keys.check(authorization.decode("latin-1"))
+                scope["state"][ACCESS_STATE_KEY].api_key_id = self._api_keys.check(authorization.decode("latin-1"))
             except APIError as exc:
                 await self._reject(scope, send, exc, endpoint)
                 return
         declared = next((value for name, value in scope["headers"] if name == b"content-length"), None)
         if declared is not None and declared.isdigit() and int(declared) > self._max_body_bytes:
             too_large = APIError(
-                413, f"The request body is larger than {self._max_body_bytes} bytes", code=HTTP_ERROR_CODES[413]
+                413,
+                f"The request body is larger than {self._max_body_bytes} bytes (--max-request-bytes)",
+                code=HTTP_ERROR_CODES[413],
             )
             await self._reject(scope, send, too_large, endpoint)
             return
+        admission = None
+        if self._rate_limiter is not None and path in RATE_LIMITED_PATHS:
+            try:
+                admission = self._rate_limiter.admit(scope["state"][ACCESS_STATE_KEY].api_key_id or ANONYMOUS_KEY)
+            except APIError as exc:
+                await self._reject(scope, send, exc, endpoint)
+                return
         status_seen: list[int] = []
         received = 0
         limit = self._max_body_bytes
@@ -290,7 +344,9 @@ class RequestGuard:
                 received += len(message.get("body", b""))
                 if received > limit:
                     # FastAPI re-raises HTTPException from a body read (anything else becomes a 400).
-                    raise StarletteHTTPException(413, f"The request body is larger than {limit} bytes")
+                    raise StarletteHTTPException(
+                        413, f"The request body is larger than {limit} bytes (--max-request-bytes)"
+                    )
             return message
 
         async def observed_send(message: Message) -> None:
@@ -301,6 +357,8 @@ class RequestGuard:
         try:
             await self._app(scope, counted_receive, observed_send)
         finally:
+            if admission is not None:
+                admission.finish(charged_tokens(scope["state"][ACCESS_STATE_KEY]))
             if endpoint is not None:
                 status = status_seen[0] if status_seen else 499
                 self._metrics.requests.labels(endpoint=endpoint, status=str(status)).inc()

@@ -4,6 +4,7 @@ Kubernetes updates a mounted Secret in place, so the file is re-read when its mo
 changes (checked at most once per ``recheck_s``): rotating a key needs no restart.
 """
 
+import hashlib
 import hmac
 import logging
 import time
@@ -19,6 +20,12 @@ def read_keys(path: Path) -> frozenset[str]:
     if not keys:
         raise ValueError(f"{path}: no API keys in the file (one per line)")
     return keys
+
+
+def key_id(key: str) -> str:
+    """What logs name a key by: the first 16 hex digits of its SHA-256 (``printf %s KEY | sha256sum``), which
+    tells keys apart without revealing them."""
+    return hashlib.sha256(key.encode()).hexdigest()[:16]
 
 
 class ApiKeys:
@@ -42,8 +49,8 @@ class ApiKeys:
         except (OSError, ValueError, UnicodeDecodeError) as exc:
             logger.warning("keeping the previous API keys: %s", exc)
 
-    def check(self, authorization: str | None) -> None:
-        """Raise a 401 unless the header is ``Bearer <one of the keys>``."""
+    def check(self, authorization: str | None) -> str:
+        """The id of the key (``key_id``) when the header is ``Bearer <one of the keys>``, else a 401."""
         self._refresh()
         scheme, _, token = (authorization or "").partition(" ")
         token = token.strip()
@@ -56,3 +63,4 @@ class ApiKeys:
                 code="invalid_api_key",
                 headers={"WWW-Authenticate": "Bearer"},
             )
+        return key_id(token)

@@ -22,9 +22,9 @@ from starlette.responses import Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from m3stack.gateway.api.errors import api_error_response, http_error_response
-from m3stack.gateway.api.schemas import ChatCompletionRequest, CompletionRequest
 from m3stack.gateway.api.service import CompletionService
 from m3stack.gateway.errors import APIError
+from m3stack.gateway.schemas import ChatCompletionRequest, CompletionRequest
 
 Handler = Callable[[Any, Request, float], Awaitable[Response]]
 

@@ -1,11 +1,12 @@
-"""Request fields to engine ``SamplingParams``, with the checks the schema cannot express."""
+"""Request fields to the engine's sampling settings and requests, with the checks the schema cannot express."""
 
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, replace
 
-from m3stack.engine.proto import engine_pb2
-from m3stack.gateway.api.schemas import ChatCompletionRequest, CompletionRequest, SamplingRequest
+from m3stack.gateway.engine_client.requests import EngineRequest, SamplingSettings
 from m3stack.gateway.errors import invalid_request, not_supported
+from m3stack.gateway.multimodal import PlacedItem
+from m3stack.gateway.schemas import MAX_LOGIT_BIAS, ChatCompletionRequest, CompletionRequest, SamplingRequest
 
 SEED_MODULUS = 2**64
 
@@ -18,32 +19,18 @@ class OutputOptions:
     skip_special_tokens: bool
     logprobs: bool
     top_logprobs: int
+    prompt_logprobs: bool = False  # completions with echo and logprobs: the prompt's, top_logprobs of them each
 
 
 def reject_unsupported(request: SamplingRequest) -> None:
     """Known OpenAI fields we do not implement: fine at their neutral value, a 400 otherwise."""
-    if request.presence_penalty:
-        raise not_supported("presence_penalty other than 0", "presence_penalty")
-    if request.frequency_penalty:
-        raise not_supported("frequency_penalty other than 0", "frequency_penalty")
-    if request.logit_bias:
-        raise not_supported("logit_bias", "logit_bias")
-    if isinstance(request, ChatCompletionRequest):
-        if request.tools:
-            raise not_supported("tools (function calling)", "tools")
-        if request.tool_choice not in (None, "none", "auto"):
-            raise not_supported("tool_choice other than 'none'", "tool_choice")
-        if request.response_format is not None and request.response_format.get("type", "text") != "text":
-            raise not_supported("response_format other than {'type': 'text'}", "response_format")
-        if request.top_logprobs and not request.logprobs:
-            raise invalid_request("top_logprobs needs logprobs set to true", param="top_logprobs")
+    if isinstance(request, ChatCompletionRequest) and request.top_logprobs and not request.logprobs:
+        raise invalid_request("top_logprobs needs logprobs set to true", param="top_logprobs")
     if isinstance(request, CompletionRequest):
         if request.suffix:
             raise not_supported("suffix", "suffix")
         if request.best_of is not None and request.best_of != request.n:
             raise not_supported("best_of other than n", "best_of")
-        if request.echo and request.logprobs is not None:
-            raise not_supported("echo with logprobs (prompt logprobs)", "echo")
 
 
 def stop_strings(request: SamplingRequest) -> tuple[str, ...]:
@@ -55,10 +42,11 @@ def stop_strings(request: SamplingRequest) -> tuple[str, ...]:
 
 def output_options(request: ChatCompletionRequest | CompletionRequest) -> OutputOptions:
     if isinstance(request, ChatCompletionRequest):
-        logprobs, top = request.logprobs, request.top_logprobs or 0
-    else:
-        logprobs, top = request.logprobs is not None, request.logprobs or 0
-    return OutputOptions(stop_strings(request), request.skip_special_tokens, logprobs, top)
+        return OutputOptions(stop_strings(request), request.skip_special_tokens, request.logprobs,
+                             request.top_logprobs or 0)  # fmt: skip
+    logprobs = request.logprobs is not None
+    return OutputOptions(stop_strings(request), request.skip_special_tokens, logprobs, request.logprobs or 0,
+                         prompt_logprobs=logprobs and request.echo)  # fmt: skip
 
 
 def requested_max_tokens(request: ChatCompletionRequest | CompletionRequest) -> tuple[int | None, str]:
@@ -91,11 +79,9 @@ def max_new_tokens(requested: int | None, param: str, prompt_tokens: int, contex
     return requested
 
 
-def sampling_params(
-    request: SamplingRequest, max_new: int, output: OutputOptions, vocab_size: int
-) -> engine_pb2.SamplingParams:
-    """Engine parameters shared by every choice of a prompt (``with_seed`` adds each choice's seed)."""
-    stop_ids = list(request.stop_token_ids or [])
+def sampling_params(request: SamplingRequest, max_new: int, output: OutputOptions, vocab_size: int) -> SamplingSettings:
+    """Engine settings shared by every choice of a prompt (``with_seed`` adds each choice's seed)."""
+    stop_ids = tuple(request.stop_token_ids or [])
     if (bad := next((i for i in stop_ids if i >= vocab_size), None)) is not None:
         raise invalid_request(f"stop token id {bad} is outside the vocabulary (size {vocab_size})", "stop_token_ids")
     if request.min_tokens > max_new:
@@ -103,52 +89,73 @@ def sampling_params(
             f"min_tokens ({request.min_tokens}) exceeds the tokens that may be generated ({max_new})",
             param="min_tokens",
         )
-    params = engine_pb2.SamplingParams(max_new_tokens=max_new, stop_token_ids=stop_ids)
-    if request.temperature is not None:
-        params.temperature = request.temperature
-    if request.top_p is not None:
-        params.top_p = request.top_p
-    if request.top_k is not None:
-        params.top_k = request.top_k
-    if request.min_p is not None:
-        params.min_p = request.min_p
-    if request.min_tokens:
-        params.min_new_tokens = request.min_tokens
-    if request.ignore_eos:
-        params.ignore_eos = True
-    if output.logprobs:
-        params.logprobs = True
-        if output.top_logprobs:
-            params.top_logprobs = output.top_logprobs
-    return params
+    repetition = request.repetition_penalty
+    return SamplingSettings(
+        max_new_tokens=max_new,
+        stop_token_ids=stop_ids,
+        temperature=request.temperature,
+        top_p=request.top_p,
+        top_k=request.top_k,
+        min_p=request.min_p,
+        # Zero and off are sent as unset, which the engine reads the same.
+        min_new_tokens=request.min_tokens or None,
+        ignore_eos=True if request.ignore_eos else None,
+        logprobs=True if output.logprobs else None,
+        top_logprobs=(output.top_logprobs or None) if output.logprobs else None,
+        prompt_logprobs=output.top_logprobs if output.prompt_logprobs else None,
+        presence_penalty=request.presence_penalty or None,
+        frequency_penalty=request.frequency_penalty or None,
+        repetition_penalty=repetition if repetition is not None and repetition != 1.0 else None,
+        logit_bias=tuple(logit_bias(request, vocab_size).items()),
+    )
 
 
-def with_seed(params: engine_pb2.SamplingParams, seed: int | None, choice_index: int) -> engine_pb2.SamplingParams:
+def logit_bias(request: SamplingRequest, vocab_size: int) -> dict[int, float]:
+    """OpenAI's ``logit_bias`` (token ids as JSON object keys) as ids; 400 naming the first bad entry."""
+    biases: dict[int, float] = {}
+    for key, bias in (request.logit_bias or {}).items():
+        if not key.strip().isdecimal():
+            raise invalid_request(f"logit_bias key {key!r} is not a token id (a non-negative integer)", "logit_bias")
+        token_id = int(key)
+        if token_id >= vocab_size:
+            raise invalid_request(
+                f"logit_bias token id {token_id} is outside the vocabulary (size {vocab_size})", "logit_bias"
+            )
+        if not -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS:
+            raise invalid_request(
+                f"logit_bias value {bias} for token {token_id} is outside [-{MAX_LOGIT_BIAS}, {MAX_LOGIT_BIAS}]",
+                "logit_bias",
+            )
+        biases[token_id] = bias
+    return biases
+
+
+def with_seed(settings: SamplingSettings, seed: int | None, choice_index: int) -> SamplingSettings:
     """Choice i of a seeded request samples with seed + i, so n choices differ yet repeat exactly."""
     if seed is None:
-        return params
-    seeded = engine_pb2.SamplingParams()
-    seeded.CopyFrom(params)
-    seeded.seed = (seed + choice_index) % SEED_MODULUS
-    return seeded
+        return settings
+    return replace(settings, seed=(seed + choice_index) % SEED_MODULUS)
 
 
 def engine_requests(
     request_id: str,
     prompt_ids: Sequence[int],
-    mm_items: Sequence[engine_pb2.MultimodalItem],
-    params: engine_pb2.SamplingParams,
+    mm_items: Sequence[PlacedItem],
+    settings: SamplingSettings,
     request: SamplingRequest,
     first_choice_index: int,
-) -> list[engine_pb2.GenerateRequest]:
+    metadata: Mapping[str, str],
+) -> list[EngineRequest]:
+    """One engine request per choice; ``metadata``: the client's request id and trace context."""
     return [
-        engine_pb2.GenerateRequest(
+        EngineRequest(
             request_id=f"{request_id}-{first_choice_index + i}",
             input_ids=prompt_ids,
+            sampling=with_seed(settings, request.seed, i),
             mm_items=mm_items,
-            sampling=with_seed(params, request.seed, i),
             cache_salt=request.cache_salt or "",
             priority=request.priority,
+            metadata=metadata,
         )
         for i in range(request.n)
     ]

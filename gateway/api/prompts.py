@@ -13,8 +13,12 @@ from concurrent.futures import Executor
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from m3stack.engine.proto import engine_pb2
-from m3stack.gateway.api.schemas import (
+from m3stack.gateway.agentic.tools import template_tool_calls
+from m3stack.gateway.api.params import max_new_tokens
+from m3stack.gateway.api.request_limits import check_prompt_length
+from m3stack.gateway.errors import APIError, invalid_request, not_supported
+from m3stack.gateway.multimodal import MediaError, MediaPart, MediaPipeline, PlacedItem
+from m3stack.gateway.schemas import (
     ChatCompletionRequest,
     ChatMessage,
     CompletionRequest,
@@ -22,8 +26,6 @@ from m3stack.gateway.api.schemas import (
     TextPart,
     VideoPart,
 )
-from m3stack.gateway.errors import APIError, invalid_request, not_supported
-from m3stack.gateway.multimodal import MediaError, MediaPart, MediaPipeline
 from m3stack.gateway.tokenize.chat_template import ChatTemplate, ChatTemplateError
 from m3stack.gateway.tokenize.tokenizer import ModelTokenizer
 
@@ -39,7 +41,7 @@ INLINE_TOKENIZE_MAX_CHARS = 1024
 class Prompt:
     token_ids: list[int]
     text: str | None  # what ``echo`` returns: the prompt as text
-    mm_items: tuple[engine_pb2.MultimodalItem, ...] = ()
+    mm_items: tuple[PlacedItem, ...] = ()
 
 
 class PromptBuilder:
@@ -60,7 +62,15 @@ class PromptBuilder:
             return work()
         return await asyncio.get_running_loop().run_in_executor(self._executor, work)
 
-    async def chat(self, request: ChatCompletionRequest, context_length: int) -> Prompt:
+    async def chat(
+        self,
+        request: ChatCompletionRequest,
+        context_length: int,
+        tools: list[dict[str, Any]] | None = None,
+        variables: dict[str, Any] | None = None,
+    ) -> Prompt:
+        """``tools`` and ``variables`` (extra template variables, else the request's chat_template_kwargs) go to the
+        chat template."""
         if self._template is None:
             raise invalid_request(
                 "The model has no chat template (chat_template.jinja or tokenizer_config.json); use /v1/completions",
@@ -69,7 +79,10 @@ class PromptBuilder:
         media_parts = _media_parts(request.messages)
         if media_parts and self._media is None:
             raise not_supported("image_url and video_url content (this gateway runs without media support)", "messages")
-        messages = [_template_message(message) for message in request.messages]
+        messages = [_template_message(message, index) for index, message in enumerate(request.messages)]
+        check_prompt_length(
+            _conversation_chars(messages), context_length, self._tokenizer.max_chars_per_token, "messages"
+        )
         template = self._template
 
         def render_and_encode() -> Prompt:
@@ -77,7 +90,8 @@ class PromptBuilder:
                 text = template.render(
                     messages,
                     add_generation_prompt=request.add_generation_prompt,
-                    extra_variables=request.chat_template_kwargs,
+                    tools=tools,
+                    extra_variables=variables if variables is not None else request.chat_template_kwargs,
                 )
             except ChatTemplateError as exc:
                 raise invalid_request(str(exc), param="messages") from exc
@@ -102,12 +116,13 @@ class PromptBuilder:
             spans = media.placeholder_spans(token_ids, self._tokenizer, items)
         except MediaError as exc:
             raise APIError(exc.status, exc.message, param=exc.param, code=exc.code) from exc
-        mm_items = tuple(
-            item.to_proto(media.transport, item_spans) for item, item_spans in zip(items, spans, strict=True)
-        )
-        return Prompt(token_ids, prompt.text, mm_items)
+        return Prompt(token_ids, prompt.text, media.place(items, spans))
 
-    async def completion(self, request: CompletionRequest) -> list[Prompt]:
+    async def text_ids(self, text: str, add_special_tokens: bool, param: str) -> list[int]:
+        """One text's token ids (``/tokenize``)."""
+        return await self._tokenize(lambda: self._encode(text, add_special_tokens, param), len(text))
+
+    async def completion(self, request: CompletionRequest, context_length: int) -> list[Prompt]:
         prompt = request.prompt
         if isinstance(prompt, str):
             texts: list[str] | None = [prompt]
@@ -116,6 +131,8 @@ class PromptBuilder:
         else:
             texts = None
         if texts is not None:
+            for text in texts:
+                check_prompt_length(len(text), context_length, self._tokenizer.max_chars_per_token, "prompt")
             return await self._tokenize(
                 lambda: [Prompt(self._encode(text, add_special_tokens=True, param="prompt"), text) for text in texts],
                 sum(map(len, texts)),
@@ -123,6 +140,8 @@ class PromptBuilder:
         id_lists: Sequence[list[int]] = [prompt] if isinstance(prompt[0], int) else prompt  # type: ignore[list-item,assignment]
         vocab = self._tokenizer.vocab_size
         for ids in id_lists:
+            # Over the context: refused by its exact length before the per-id checks below walk it.
+            max_new_tokens(None, "max_tokens", len(ids), context_length, "prompt")
             if (bad := next((i for i in ids if i >= vocab), None)) is not None:
                 raise invalid_request(f"token id {bad} is outside the vocabulary (size {vocab})", param="prompt")
         if not request.echo:
@@ -158,7 +177,7 @@ def _media_parts(messages: list[ChatMessage]) -> list[MediaPart]:
     return parts
 
 
-def _template_message(message: ChatMessage) -> dict[str, Any]:
+def _template_message(message: ChatMessage, index: int) -> dict[str, Any]:
     """A message as chat templates expect it: a plain dict.  Text-only content becomes one string
     (which every template accepts, and what M3's template renders for a list of text parts); content
     with media stays a list, images and videos as ``{"type": "image"}`` / ``{"type": "video"}`` parts,
@@ -175,4 +194,6 @@ def _template_message(message: ChatMessage) -> dict[str, Any]:
                 else {"type": "image" if isinstance(part, ImagePart) else "video"}
                 for part in content
             ]
+    if message.tool_calls:
+        rendered["tool_calls"] = template_tool_calls(message.tool_calls, index)
     return rendered

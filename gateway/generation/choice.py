@@ -1,21 +1,18 @@
 """One choice's output: token ids from the engine in, text deltas out.
 
 Detokenizes incrementally, applies stop strings (the engine only knows stop token ids), keeps the
-token counts and logprobs that belong to the text actually returned.
+token counts and logprobs that belong to the text actually returned.  With an output parser (chat requests with
+tools or reasoning), the text is split into content, reasoning and tool-call pieces.
 """
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from m3stack.engine.proto import engine_pb2
+from m3stack.gateway.agentic.output_parser import OutputParser, ToolCallDelta
+from m3stack.gateway.engine_client.events import Completion, EngineEvent, PromptLogprobs, TokenChunk
 from m3stack.gateway.tokenize.detokenizer import IncrementalDetokenizer
 from m3stack.gateway.tokenize.stop import StopStringMatcher
 from m3stack.gateway.tokenize.tokenizer import ModelTokenizer
-
-FINISH_REASONS = {
-    engine_pb2.FINISH_REASON_STOP: "stop",
-    engine_pb2.FINISH_REASON_LENGTH: "length",
-}
 
 
 @dataclass(frozen=True)
@@ -35,6 +32,10 @@ class ChoiceDelta:
     logprobs: list[TokenLogprob] = field(default_factory=list)
     finish_reason: str | None = None
     stop_reason: str | int | None = None  # the stop string or stop token id that ended the choice
+    # Once, with the first tokens, when the engine was asked for them: each prompt token, the first without one.
+    prompt_logprobs: list[TokenLogprob | None] | None = None
+    reasoning: str = ""  # with an output parser: reasoning split off the text
+    tool_calls: list[ToolCallDelta] = field(default_factory=list)
 
 
 class ChoiceDecoder:
@@ -46,34 +47,40 @@ class ChoiceDecoder:
         stop_strings: Sequence[str],
         skip_special_tokens: bool,
         eos_token_ids: Sequence[int] = (),
+        output_parser: OutputParser | None = None,
     ) -> None:
+        """``output_parser``: splits the text (``tokenizer`` must then keep its markers, ``ModelTokenizer.keeping``)."""
         self.index = index
+        self._parser = output_parser
         self._detokenizer = IncrementalDetokenizer(
             tokenizer.decoder(skip_special_tokens), prompt_ids, tokenizer.single_token_decoder(skip_special_tokens)
         )
         self._stop = StopStringMatcher(stop_strings)
         self._eos_token_ids = frozenset(eos_token_ids)
+        self._prompt_ids = prompt_ids
         self.prompt_tokens = len(prompt_ids)
         self.completion_tokens = 0
         self.cached_tokens = 0
         self.finished = False
 
-    def on_response(self, response: engine_pb2.GenerateResponse) -> ChoiceDelta:
-        if response.HasField("complete"):
-            return self._on_complete(response.complete)
-        return self._on_chunk(response.chunk)
+    def on_event(self, event: EngineEvent) -> ChoiceDelta:
+        if isinstance(event, Completion):
+            return self._on_complete(event)
+        return self._on_chunk(event)
 
-    def _on_chunk(self, chunk: engine_pb2.GenerateChunk) -> ChoiceDelta:
+    def _on_chunk(self, chunk: TokenChunk) -> ChoiceDelta:
         self.cached_tokens = chunk.cached_tokens
         token_ids = chunk.token_ids
         if len(token_ids) == 1 and not self._stop.active and not chunk.logprobs:
             # Nearly every chunk: one token, no stop strings to watch, no logprobs.
             self.completion_tokens += 1
-            return ChoiceDelta(self.index, self._detokenizer.push(token_ids[0]), 1)
+            return self._parsed(ChoiceDelta(self.index, self._detokenizer.push(token_ids[0]), 1))
         pieces: list[str] = []
         logprobs: list[TokenLogprob] = []
         with_logprobs = len(chunk.logprobs) == len(token_ids)
         delta = ChoiceDelta(self.index, "", 0)
+        if chunk.prompt_logprobs is not None:
+            delta.prompt_logprobs = _prompt_logprobs(self._prompt_ids, chunk.prompt_logprobs)
         for position, token_id in enumerate(token_ids):
             self.completion_tokens += 1
             delta.num_tokens += 1
@@ -88,9 +95,9 @@ class ChoiceDecoder:
                 break
         delta.text = "".join(pieces)
         delta.logprobs = logprobs
-        return delta
+        return self._parsed(delta)
 
-    def _on_complete(self, complete: engine_pb2.GenerateComplete) -> ChoiceDelta:
+    def _on_complete(self, complete: Completion) -> ChoiceDelta:
         self.finished = True
         self.cached_tokens = complete.cached_tokens
         # The engine counts what it generated, including a final EOS or stop token it did not send.
@@ -99,16 +106,48 @@ class ChoiceDecoder:
         delta = ChoiceDelta(self.index, text + self._stop.flush(), 0)
         if stopped:
             delta.finish_reason, delta.stop_reason = "stop", self._stop.matched
+            return self._parsed(delta)
+        # An aborted stream never gets here (``Generation`` raises first).
+        delta.finish_reason = "length" if complete.finish_reason == "length" else "stop"
+        stop_id = complete.matched_stop_token_id
+        if stop_id is not None and stop_id not in self._eos_token_ids:
+            delta.stop_reason = stop_id
+        return self._parsed(delta)
+
+    def _parsed(self, delta: ChoiceDelta) -> ChoiceDelta:
+        """The delta's text split by the output parser; the last one also takes what the parser held back, and a
+        choice that called tools and stopped finishes with ``tool_calls``."""
+        parser = self._parser
+        if parser is None:
             return delta
-        delta.finish_reason = FINISH_REASONS.get(complete.finish_reason, "stop")
-        if complete.HasField("matched_stop_token_id") and complete.matched_stop_token_id not in self._eos_token_ids:
-            delta.stop_reason = complete.matched_stop_token_id
+        parsed = parser.feed(delta.text)
+        delta.text, delta.reasoning, delta.tool_calls = parsed.content, parsed.reasoning, parsed.tool_calls
+        if delta.finish_reason is not None:
+            rest = parser.finish()
+            delta.text += rest.content
+            delta.reasoning += rest.reasoning
+            delta.tool_calls += rest.tool_calls
+            if parser.called and delta.finish_reason == "stop":
+                delta.finish_reason = "tool_calls"
         return delta
 
 
-def _token_logprob(chunk: engine_pb2.GenerateChunk, position: int, token_id: int) -> TokenLogprob:
+def _token_logprob(chunk: TokenChunk, position: int, token_id: int) -> TokenLogprob:
     top: tuple[tuple[int, float], ...] = ()
     if position < len(chunk.top_logprobs):
         entry = chunk.top_logprobs[position]
         top = tuple(zip(entry.token_ids, entry.logprobs, strict=False))
     return TokenLogprob(token_id, chunk.logprobs[position], top)
+
+
+def _prompt_logprobs(prompt_ids: Sequence[int], message: PromptLogprobs) -> list[TokenLogprob | None]:
+    """The first prompt token has no logprob (None); token i's is ``message.logprobs[i - 1]``."""
+    entries: list[TokenLogprob | None] = [None]
+    for position, token_id in enumerate(prompt_ids[1:]):
+        top = ()
+        if position < len(message.top):
+            ranked = message.top[position]
+            top = tuple(zip(ranked.token_ids, ranked.logprobs, strict=False))
+        logprob = message.logprobs[position] if position < len(message.logprobs) else float("nan")
+        entries.append(TokenLogprob(token_id, logprob, top))
+    return entries

@@ -13,9 +13,11 @@ from dataclasses import dataclass
 
 import grpc
 
-from m3stack.engine.proto import engine_pb2
-from m3stack.gateway.engines.client import EngineClient, GenerateCall, current_task_is_cancelling
-from m3stack.gateway.engines.pool import EnginePool
+from m3stack.gateway.engine_client import wire
+from m3stack.gateway.engine_client.client import EngineClient, GenerateCall, current_task_is_cancelling
+from m3stack.gateway.engine_client.events import Completion, EngineEvent
+from m3stack.gateway.engine_client.pool import EnginePool
+from m3stack.gateway.engine_client.requests import EngineRequest
 from m3stack.gateway.errors import engine_failure, invalid_request, no_engine_available
 from m3stack.gateway.metrics import GatewayMetrics
 from m3stack.gateway.routing.policies import RoutingPolicy
@@ -44,11 +46,11 @@ class EngineStream:
     engine: EngineClient
     request_id: str
     call: GenerateCall
-    first: engine_pb2.GenerateResponse
+    first: EngineEvent
     dispatcher: "Dispatcher"
     closed: bool = False
 
-    async def read(self) -> engine_pb2.GenerateResponse:
+    async def read(self) -> EngineEvent:
         """The next response (``first`` came with the call's opening); raises ``EngineStreamError`` if the
         engine fails."""
         try:
@@ -62,7 +64,7 @@ class EngineStream:
             raise EngineStreamError(f"engine {self.engine.address} failed: {exc.code().name}: {exc.details()}") from exc
         if response is grpc.aio.EOF:
             raise EngineStreamError(f"engine {self.engine.address} ended the stream without completing the request")
-        return response
+        return wire.read_response(response)
 
     def close(self, outcome: str) -> None:
         """``outcome``: ``completed``, ``failed``, or why we abort it (``client_disconnected``, ``stop_string``...)."""
@@ -91,9 +93,7 @@ class Dispatcher:
         self._max_attempts = max_attempts
         self._background: set[asyncio.Task[None]] = set()
 
-    async def open(
-        self, prompt_ids: Sequence[int], requests: Sequence[engine_pb2.GenerateRequest]
-    ) -> list[EngineStream]:
+    async def open(self, prompt_ids: Sequence[int], requests: Sequence[EngineRequest]) -> list[EngineStream]:
         """Start ``requests`` (same prompt) on one engine and wait for their first responses."""
         tried: set[str] = set()
         failures: list[str] = []
@@ -114,6 +114,7 @@ class Dispatcher:
                 failures.append(f"{engine.address}: {exc.reason}")
                 continue
             self._policy.on_routed(engine, prompt_ids)
+            logger.debug("%s: %d engine requests on %s", requests[0].request_id, len(requests), engine.address)
             return streams
         if not failures:
             detail = "no engine is ready" if not self._pool.engines else "no engine is ready or every breaker is open"
@@ -121,9 +122,7 @@ class Dispatcher:
             detail = "; ".join(failures)
         raise no_engine_available(self._pool.seconds_until_retry(), detail)
 
-    async def _open_on(
-        self, engine: EngineClient, requests: Sequence[engine_pb2.GenerateRequest]
-    ) -> list[EngineStream]:
+    async def _open_on(self, engine: EngineClient, requests: Sequence[EngineRequest]) -> list[EngineStream]:
         calls = [engine.start_generate(request) for request in requests]
         try:
             if len(calls) == 1:  # most requests: no gather, which would wrap the read in a task
@@ -136,6 +135,7 @@ class Dispatcher:
             raise
         error = next((first for first in firsts if isinstance(first, BaseException)), None)
         if error is None:
+            firsts = [first if first is grpc.aio.EOF else wire.read_response(first) for first in firsts]
             aborted = [first for first in firsts if first is grpc.aio.EOF or _is_engine_abort(first)]
             if aborted:
                 error = _RetryElsewhereError("the engine aborted the request before its first token (draining?)")
@@ -193,5 +193,5 @@ async def _first_response(call: GenerateCall) -> object:
         return exc
 
 
-def _is_engine_abort(response: engine_pb2.GenerateResponse) -> bool:
-    return response.HasField("complete") and response.complete.finish_reason == engine_pb2.FINISH_REASON_ABORT
+def _is_engine_abort(first: EngineEvent) -> bool:
+    return isinstance(first, Completion) and first.finish_reason == "abort"

@@ -9,7 +9,7 @@ import time
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 
-from m3stack.engine.proto import engine_pb2
+from m3stack.gateway.engine_client.events import Completion
 from m3stack.gateway.generation.choice import ChoiceDecoder, ChoiceDelta
 from m3stack.gateway.generation.dispatch import EngineStream, EngineStreamError
 from m3stack.gateway.metrics import GatewayMetrics
@@ -65,14 +65,14 @@ class Generation:
     async def _run_one(self, run: ChoiceRun) -> AsyncIterator[ChoiceDelta]:
         stream, decoder = run.stream, run.decoder
         last_token_s = 0.0
-        response = stream.first
+        event = stream.first
         try:
             while True:
-                complete = response.HasField("complete")
-                if complete and response.complete.finish_reason == engine_pb2.FINISH_REASON_ABORT:
-                    message = response.complete.abort_message or "no reason given"
+                complete = isinstance(event, Completion)
+                if complete and event.finish_reason == "abort":
+                    message = event.abort_message or "no reason given"
                     raise EngineStreamError(f"engine {stream.engine.address} aborted the request: {message}")
-                delta = decoder.on_response(response)
+                delta = decoder.on_event(event)
                 if delta.num_tokens:
                     last_token_s = self._observe_tokens(delta.num_tokens, last_token_s)
                 if complete:
@@ -82,7 +82,7 @@ class Generation:
                 yield delta
                 if decoder.finished:  # always so after the complete response
                     return
-                response = await stream.read()
+                event = await stream.read()
         except EngineStreamError:
             stream.close("failed")
             raise

@@ -11,8 +11,9 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from .errors import MediaError
     from .limits import MediaLimits
-    from .pipeline import MediaPart, MediaPipeline, ProcessedItem
-    from .spec import ModelProfile, PlaceholderSpan, load_profile, register_profile
+    from .model_profile import ModelProfile, PlaceholderSpan
+    from .pipeline import MediaPart, MediaPipeline, PlacedItem, ProcessedItem
+    from .registry import load_profile, register_profile
     from .transport import Transport, WireDType
 
 # public name -> the submodule that defines it
@@ -21,11 +22,12 @@ _SOURCES = {
     "MediaLimits": ".limits",
     "MediaPart": ".pipeline",
     "MediaPipeline": ".pipeline",
+    "PlacedItem": ".pipeline",
     "ProcessedItem": ".pipeline",
-    "ModelProfile": ".spec",
-    "PlaceholderSpan": ".spec",
-    "load_profile": ".spec",
-    "register_profile": ".spec",
+    "ModelProfile": ".model_profile",
+    "PlaceholderSpan": ".model_profile",
+    "load_profile": ".registry",
+    "register_profile": ".registry",
     "Transport": ".transport",
     "WireDType": ".transport",
 }
@@ -36,6 +38,7 @@ __all__ = [
     "MediaPart",
     "MediaPipeline",
     "ModelProfile",
+    "PlacedItem",
     "PlaceholderSpan",
     "ProcessedItem",
     "Transport",

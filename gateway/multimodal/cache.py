@@ -4,7 +4,7 @@ import hashlib
 from collections import OrderedDict
 from dataclasses import dataclass
 
-from .spec import Plan
+from .plans import Plan
 
 
 def content_key(data: bytes, kind: str, settings: str) -> str:

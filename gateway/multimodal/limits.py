@@ -44,6 +44,7 @@ class MediaLimits:
     # Videos
     max_video_frame_pixels: int = 4096 * 2304  # one decoded frame
     max_video_frames: int = 108_000  # frames in the container (1 h at 30 fps)
+    max_video_seconds: float = 3600.0  # frames in the container / frame rate
     max_decoded_frames: int = 20_000  # frames the sparse decode may walk through
     max_sampled_frames: int = 768  # M3's max_frames
     max_video_pixels: int = M3_MAX_VIDEO_PIXELS  # sampled frames * width * height
@@ -58,34 +59,51 @@ class MediaLimits:
     def check_counts(self, images: int, videos: int) -> None:
         if images > self.max_images:
             raise MediaError(
-                f"{images} images exceed the limit of {self.max_images} per request", "too_many_media_items"
+                f"{images} images exceed {self.limit('max_images', 'per request')}", "too_many_media_items"
             )
         if videos > self.max_videos:
             raise MediaError(
-                f"{videos} videos exceed the limit of {self.max_videos} per request", "too_many_media_items"
+                f"{videos} videos exceed {self.limit('max_videos', 'per request')}", "too_many_media_items"
             )
 
     def check_image_pixels(self, width: int, height: int) -> None:
         if width * height > self.max_image_pixels:
             raise MediaError(
-                f"a {width}x{height} image exceeds the limit of {self.max_image_pixels} pixels", "media_too_large"
+                f"a {width}x{height} image exceeds {self.limit('max_image_pixels', 'pixels')}", "media_too_large"
+            )
+
+    def check_video_duration(self, frames: int, fps: float, seconds: float) -> None:
+        if seconds > self.max_video_seconds:
+            raise MediaError(
+                f"the video lasts {seconds:g} s ({frames} frames at {fps:g} fps), longer than "
+                f"{self.limit('max_video_seconds', 'seconds')}",
+                "media_too_large",
             )
 
     def check_video_plan(self, sampled: int, width: int, height: int, decoded: int) -> None:
         if sampled > self.max_sampled_frames:
             raise MediaError(
-                f"sampling would take {sampled} frames, over the limit of {self.max_sampled_frames}", "media_too_large"
+                f"sampling would take {sampled} frames, over {self.limit('max_sampled_frames')}", "media_too_large"
             )
         if sampled * width * height > self.max_video_pixels:
             raise MediaError(
-                f"{sampled} sampled frames of {width}x{height} exceed the limit of {self.max_video_pixels} pixels",
+                f"{sampled} sampled frames of {width}x{height} exceed {self.limit('max_video_pixels', 'pixels')}",
                 "media_too_large",
             )
         if decoded > self.max_decoded_frames:
             raise MediaError(
-                f"decoding the sampled frames walks {decoded} frames, over the limit of {self.max_decoded_frames}",
+                f"decoding the sampled frames walks {decoded} frames, over {self.limit('max_decoded_frames')}",
                 "media_too_large",
             )
+
+    def limit(self, name: str, unit: str = "") -> str:
+        return limit_text(name, getattr(self, name), unit)
+
+
+def limit_text(name: str, value: float, unit: str = "") -> str:
+    """``the limit of <value> [unit] (<flag>)``: a refusal names the flag that moves the limit."""
+    shown = f"{value:g}" if isinstance(value, float) else str(value)
+    return f"the limit of {shown}{' ' + unit if unit else ''} ({_FLAGS[name][0]})"
 
 
 def check_vision_tokens(total: int, budget: int | None) -> None:
@@ -118,6 +136,7 @@ _FLAGS: dict[str, tuple[str, Callable[[str], object], str]] = {
     "max_image_pixels": ("--media-max-image-pixels", options.positive_int, "largest decoded image, width*height"),
     "max_video_frame_pixels": ("--media-max-video-frame-pixels", options.positive_int, "largest video frame"),
     "max_video_frames": ("--media-max-video-frames", options.positive_int, "most frames a video may contain"),
+    "max_video_seconds": ("--media-max-video-seconds", options.positive_float, "longest video, in seconds"),
     "max_decoded_frames": ("--media-max-decoded-frames", options.positive_int, "most frames decoded per video"),
     "max_sampled_frames": ("--media-max-sampled-frames", options.positive_int, "most frames sampled per video"),
     "max_video_pixels": ("--media-max-video-pixels", options.positive_int, "sampled frames * width * height"),

@@ -16,15 +16,14 @@ import logging
 from pathlib import Path
 from typing import Any
 
-from .patch_grid import PatchGridConstants, PatchGridPreprocessor
+from .model_profile import ModelProfile, PromptSpec
+from .patch_grid import CLIP_MEAN, CLIP_STD, PatchGridConstants, PatchGridPreprocessor
+from .plans import ImagePlan, VideoPlan, VideoProbe
 from .resize import ResizeBackend
-from .spec import ImagePlan, ModelProfile, PromptSpec, VideoPlan, VideoProbe
 
 logger = logging.getLogger(__name__)
 
 MODEL_TYPE = "minimax_m3_vl"
-CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
-CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
 BICUBIC = 3  # PIL.Image.Resampling.BICUBIC, the only resample the kernels implement
 
 DEFAULTS = PatchGridConstants(

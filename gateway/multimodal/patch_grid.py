@@ -9,10 +9,14 @@ from dataclasses import asdict, dataclass
 import numpy as np
 
 from .errors import MediaError
+from .model_profile import PixelPreprocessor
 from .patchify import float32_to_bfloat16_bits, normalization_table, normalize_patches, patchify_into
+from .plans import ImagePlan, Plan, VideoPlan, VideoProbe
 from .resize import ResizeBackend, resize_frames, resize_into, smart_resize
-from .spec import ImagePlan, PixelPreprocessor, Plan, VideoPlan, VideoProbe
 
+# OpenAI CLIP's pixel mean and std: the normalization of both built-in towers (and their processors' defaults).
+CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
+CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
 # (probe, constants) -> ascending indices into probe.frame_pts
 FrameSampler = Callable[[VideoProbe, "PatchGridConstants"], list[int]]
 

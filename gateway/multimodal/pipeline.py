@@ -9,7 +9,7 @@ Usage from the API (one pipeline per server)::
     text = pipeline.expand_prompt(templated_text, items)       # before tokenizing, as the reference does
     ids = tokenizer.encode(text)
     spans = pipeline.placeholder_spans(ids, tokenizer, items)  # per item, into MultimodalItem.placeholders
-    protos = [item.to_proto(pipeline.transport, s) for item, s in zip(items, spans)]
+    placed = pipeline.place(items, spans)  # what the prompt carries; gateway.engine_client.wire sends it
 """
 
 import asyncio
@@ -20,16 +20,15 @@ from typing import Literal
 
 import numpy as np
 
-from m3stack.engine.proto import engine_pb2
-
 from . import image as image_codec
 from . import video as video_codec
 from .cache import CachedItem, ProcessedCache, content_key
 from .errors import MediaError
 from .fetch import MediaFetcher
 from .limits import MediaLimits, check_vision_tokens
+from .model_profile import ModelProfile, PixelPreprocessor, PlaceholderSpan, Tokenizer
+from .plans import ImagePlan, Plan, VideoPlan, VideoProbe
 from .pool import WorkerPool
-from .spec import ImagePlan, ModelProfile, PixelPreprocessor, PlaceholderSpan, Plan, Tokenizer, VideoPlan, VideoProbe
 from .transport import (
     Transport,
     WireDType,
@@ -37,7 +36,6 @@ from .transport import (
     map_segment,
     new_segment_name,
     read_segment,
-    tensor_proto,
     unlink_segment,
     write_segment,
 )
@@ -66,19 +64,19 @@ class ProcessedItem:
     dtype: WireDType
     payload: bytes  # C order (layout: patchify.py)
 
-    def to_proto(self, transport: Transport, placeholders: Sequence[PlaceholderSpan] = ()) -> engine_pb2.MultimodalItem:
-        modality = engine_pb2.MODALITY_IMAGE if self.modality == "image" else engine_pb2.MODALITY_VIDEO
-        return engine_pb2.MultimodalItem(
-            modality=modality,
-            pixel_values=tensor_proto(self.payload, self.shape, transport),
-            grid_thw=[value for grid in self.plan.grids for value in grid],
-            placeholders=[engine_pb2.PlaceholderRange(offset=s.offset, length=s.length) for s in placeholders],
-            content_hash=self.content_hash,
-        )
-
     def patches(self) -> np.ndarray:
         """uint8 pixels, or bfloat16 bit patterns as uint16."""
         return np.frombuffer(self.payload, dtype=self.dtype.numpy).reshape(self.shape)
+
+
+@dataclass(frozen=True)
+class PlacedItem:
+    """A processed item where one prompt puts it: the spans of its placeholder tokens, and how its patches travel
+    to the engine (the pipeline's transport)."""
+
+    item: ProcessedItem
+    placeholders: tuple[PlaceholderSpan, ...]
+    transport: Transport
 
 
 @dataclass
@@ -154,6 +152,14 @@ class MediaPipeline:
         """Spans per item; ``items`` are in prompt order (the order of the content parts)."""
         return self.profile.prompt.placeholder_spans(
             token_ids, tokenizer, [i.modality for i in items], [i.num_tokens for i in items]
+        )
+
+    def place(
+        self, items: Sequence[ProcessedItem], spans: Sequence[Sequence[PlaceholderSpan]]
+    ) -> tuple[PlacedItem, ...]:
+        """The items with their spans (``placeholder_spans``), as the prompt carries them to the engine."""
+        return tuple(
+            PlacedItem(item, tuple(item_spans), self.transport) for item, item_spans in zip(items, spans, strict=True)
         )
 
     async def _fetch(self, part: MediaPart) -> tuple[MediaPart, bytes]:
@@ -248,6 +254,7 @@ def probe_video_job(segment: str, preprocessor: PixelPreprocessor, limits: Media
         limits.video_containers,
         limits.video_codecs,
     )
+    limits.check_video_duration(probe.frame_count, probe.fps, probe.duration_s)
     plan = preprocessor.plan_video(probe)
     walk = video_codec.frames_to_decode(probe, video_codec.plan_decode(probe, plan.frame_indices))
     limits.check_video_plan(len(plan.frame_indices), plan.source_width, plan.source_height, walk)

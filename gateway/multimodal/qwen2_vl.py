@@ -10,10 +10,10 @@ from pathlib import Path
 
 import numpy as np
 
-from .m3 import CLIP_MEAN, CLIP_STD
-from .patch_grid import PatchGridConstants, PatchGridPreprocessor
+from .model_profile import ModelProfile, PromptSpec
+from .patch_grid import CLIP_MEAN, CLIP_STD, PatchGridConstants, PatchGridPreprocessor
+from .plans import ImagePlan, VideoPlan, VideoProbe
 from .resize import ResizeBackend
-from .spec import ImagePlan, ModelProfile, PromptSpec, VideoPlan, VideoProbe
 
 MODEL_TYPE = "qwen2_vl"
 

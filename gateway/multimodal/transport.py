@@ -1,9 +1,10 @@
-"""Patch tensors on their way to the engine: POSIX shared-memory segments and ``engine_pb2.Tensor``.
+"""Patch tensors on their way to the engine: POSIX shared-memory segments, and how an item's patches travel.
 
 Workers write each item's patches straight into a segment ``/dev/shm/<name>`` that the gateway named
 and sized from the plan, so nothing large crosses the worker pipe.  The tensor then travels either
 inline in the gRPC message (the segment is read and removed) or, when gateway and engine share the
-host and the tensor is large, as a ``ShmHandle`` that the engine reads and unlinks.
+host and the tensor is large, as a ``ShmHandle`` that the engine reads and unlinks (``Transport`` says which;
+``gateway.engine_client.wire`` builds the message).
 """
 
 import contextlib
@@ -15,8 +16,6 @@ from enum import StrEnum
 from pathlib import Path
 
 import numpy as np
-
-from m3stack.engine.proto import engine_pb2
 
 SHM_DIR = Path("/dev/shm")
 
@@ -30,10 +29,6 @@ class WireDType(StrEnum):
     @property
     def numpy(self) -> np.dtype:
         return np.dtype(np.uint8) if self is WireDType.UINT8 else np.dtype(np.uint16)  # bf16 as bit patterns
-
-    @property
-    def proto(self) -> int:
-        return engine_pb2.DTYPE_UINT8 if self is WireDType.UINT8 else engine_pb2.DTYPE_BFLOAT16
 
 
 @dataclass(frozen=True)
@@ -83,25 +78,3 @@ def write_segment(name: str, data: bytes) -> None:
 
 def read_segment(name: str) -> bytes:
     return (SHM_DIR / name).read_bytes()
-
-
-def tensor_proto(payload: bytes, shape: tuple[int, ...], transport: Transport) -> engine_pb2.Tensor:
-    """A Tensor carrying ``payload`` inline, or in a fresh segment the engine takes ownership of."""
-    tensor = engine_pb2.Tensor(shape=list(shape), dtype=transport.dtype.proto)
-    threshold = transport.shm_threshold_bytes
-    if threshold is not None and len(payload) >= threshold:
-        name = new_segment_name()
-        write_segment(name, payload)
-        tensor.shm.CopyFrom(engine_pb2.ShmHandle(name=name, offset=0, nbytes=len(payload)))
-    else:
-        tensor.inline_data = payload
-    return tensor
-
-
-def tensor_payload(tensor: engine_pb2.Tensor) -> bytes:
-    """The bytes of a Tensor, inline or from its segment (which this unlinks, as the engine does)."""
-    if tensor.WhichOneof("payload") == "shm":
-        data = read_segment(tensor.shm.name)[tensor.shm.offset : tensor.shm.offset + tensor.shm.nbytes]
-        unlink_segment(tensor.shm.name)
-        return data
-    return tensor.inline_data

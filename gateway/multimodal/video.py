@@ -25,8 +25,8 @@ import numpy as np
 from av.video.reformatter import VideoReformatter
 
 from .errors import MediaError
-from .limits import DEFAULT_CODECS, DEFAULT_CONTAINERS
-from .spec import VideoProbe
+from .limits import DEFAULT_CODECS, DEFAULT_CONTAINERS, limit_text
+from .plans import VideoProbe
 
 logger = logging.getLogger(__name__)
 MAX_STREAMS = 64  # stream_options entries; streams beyond these probe as usual
@@ -237,9 +237,8 @@ def _check_frame_size(width: int, height: int, max_frame_pixels: int) -> None:
     if width <= 0 or height <= 0:
         raise MediaError("the video stream has no frame size")
     if width * height > max_frame_pixels:
-        raise MediaError(
-            f"video frames of {width}x{height} exceed the limit of {max_frame_pixels} pixels", code="media_too_large"
-        )
+        limit = limit_text("max_video_frame_pixels", max_frame_pixels, "pixels")
+        raise MediaError(f"video frames of {width}x{height} exceed {limit}", code="media_too_large")
 
 
 def _open_for_probe(data: bytes, containers: Sequence[str]) -> av.container.InputContainer:
@@ -300,7 +299,10 @@ def _index(
             if packet.is_keyframe:
                 keyframe_pts.append(packet.pts)
             if len(frame_pts) > max_frames:
-                raise MediaError(f"the video has more than {max_frames} frames", code="media_too_large")
+                raise MediaError(
+                    f"the video has more frames than {limit_text('max_video_frames', max_frames)}",
+                    code="media_too_large",
+                )
     except av.FFmpegError as exc:
         raise MediaError(f"the video container is corrupt ({exc})") from None
     if not frame_pts or not keyframe_pts:

@@ -10,6 +10,7 @@ post-processor, decoder, added tokens), ``tokenizer_config.json`` (special token
 import functools
 import json
 import logging
+import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -20,6 +21,10 @@ from tokenizers import Tokenizer
 logger = logging.getLogger(__name__)
 
 SPECIAL_TOKEN_KEYS = ("bos_token", "eos_token", "unk_token", "pad_token")
+# How many characters of a text a normalizer may turn into one.  Unicode composition joins at most 4 (the
+# longest canonical decomposition, U+1F82's, has 4 characters); decomposition, lowercasing and prepending never
+# shorten a text.  Any other normalizer (Replace, Strip, ...) may delete characters: no bound then.
+_NORMALIZER_SHRINK = {"NFC": 4, "NFKC": 4, "NFD": 1, "NFKD": 1, "Lowercase": 1, "Prepend": 1}
 
 
 class TokenizerLoadError(ValueError):
@@ -48,8 +53,12 @@ class ModelTokenizer:
             eos_ids.append(eos_id)
         self.eos_token_ids = tuple(eos_ids)
         self.vocab_size = tokenizer.get_vocab_size(with_added_tokens=True)
+        self.max_chars_per_token = _max_chars_per_token(tokenizer)
         # Single-token texts by skip_special_tokens, filled as tokens are first seen (the vocabulary is fixed).
         self._single_texts = {skip: SingleTokenTexts(self.decoder(skip)) for skip in (False, True)}
+        self._files = files
+        self._keeping: dict[tuple[str, ...], ModelTokenizer] = {}
+        self._keeping_lock = threading.Lock()
 
     @classmethod
     def from_folder(cls, folder: Path) -> "ModelTokenizer":
@@ -84,6 +93,55 @@ class ModelTokenizer:
 
     def token_to_id(self, token: str) -> int | None:
         return self._tokenizer.token_to_id(token)
+
+    def id_to_token(self, token_id: int) -> str:
+        """The vocabulary entry of ``token_id`` as the tokenizer stores it (byte-level: ``Ġ`` for a space)."""
+        return self._tokenizer.id_to_token(token_id) or ""
+
+    @functools.cached_property
+    def special_token_ids(self) -> dict[str, int]:
+        """Text -> id of the added tokens marked special (those ``skip_special_tokens`` drops)."""
+        added = self._tokenizer.get_added_tokens_decoder()
+        return {token.content: token_id for token_id, token in added.items() if token.special}
+
+    def keeping(self, tokens: Sequence[str]) -> "ModelTokenizer":
+        """This tokenizer, but decoding ``tokens`` as text even with ``skip_special_tokens`` (an output parser reads
+        them: M3's tool-call and reasoning markers).  Built once per set of tokens."""
+        key = tuple(sorted(token for token in tokens if token in self.special_token_ids))
+        if not key:
+            return self
+        with self._keeping_lock:
+            if key not in self._keeping:
+                pipeline = json.loads(self._tokenizer.to_str())
+                for added in pipeline.get("added_tokens", []):
+                    if added.get("content") in key:
+                        added["special"] = False
+                self._keeping[key] = ModelTokenizer(Tokenizer.from_str(json.dumps(pipeline)), self._files)
+            return self._keeping[key]
+
+
+def _max_chars_per_token(tokenizer: Tokenizer) -> int | None:
+    """The most characters of an input text one token can stand for, or None when the normalizer may delete
+    characters.  A vocabulary entry is never shorter than the text it matches (byte-level entries have one
+    character per byte, added tokens are their text), so a text of C characters has at least C / this tokens:
+    the gateway refuses a prompt over the context from its length alone, before tokenizing it."""
+    longest = max(len(token) for token in tokenizer.get_vocab(with_added_tokens=True))
+    pipeline = json.loads(tokenizer.to_str())
+    if any(added.get("lstrip") or added.get("rstrip") for added in pipeline.get("added_tokens", [])):
+        logger.info("an added token absorbs the whitespace around it: prompts are not bounded by length")
+        return None
+    normalizer = pipeline.get("normalizer")
+    steps = normalizer.get("normalizers", []) if normalizer and normalizer.get("type") == "Sequence" else [normalizer]
+    shrink = 1
+    for step in steps:
+        if step is None:
+            continue
+        factor = _NORMALIZER_SHRINK.get(step.get("type"))
+        if factor is None:
+            logger.info("the tokenizer's %s normalizer may delete characters: prompts are not bounded by length", step)
+            return None
+        shrink *= factor
+    return longest * shrink
 
 
 class SingleTokenTexts(dict[int, str]):

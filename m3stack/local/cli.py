@@ -12,6 +12,7 @@ import argparse
 import logging
 import os
 import signal
+import subprocess
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -92,6 +93,42 @@ def visible_gpus(device: str, num_engines: int) -> list[str]:
     return inherited[:count] if inherited else [str(i) for i in range(count)]
 
 
+def check_engines_fit(model_dir: Path, device: str, engine_envs: list[dict[str, str]]) -> None:
+    """On GPUs: a ``SizingError`` (a ValueError) with the figures when the model cannot fit one engine's GPUs, as the
+    engine would refuse it, before any process starts.  The engines' settings are their flags' variables
+    (``M3STACK_ENGINE_*``); the memory is the smallest of the GPUs ``nvidia-smi`` lists (no check without it)."""
+    if device == "cpu":
+        return
+    memory = smallest_gpu_memory(engine_envs)
+    if memory is None:
+        return
+    from m3stack.engine import cli as engine_cli
+    from m3stack.engine.assembly.sizing import check_fits
+
+    parser = argparse.ArgumentParser(add_help=False)
+    engine_cli.add_arguments(OptionGroup(parser, "engine"))
+    args = parser.parse_args(["--model", str(model_dir), "--device", "cuda"])
+    config = engine_cli.engine_config(args, engine_cli.parallel_config(args))
+    logger.info("sizing: %s", check_fits(config, memory).summary())
+
+
+def smallest_gpu_memory(engine_envs: list[dict[str, str]]) -> int | None:
+    """Bytes of the smallest GPU the engines see (``nvidia-smi``, MiB), None where it does not answer."""
+    try:
+        listed = subprocess.run(
+            ["nvidia-smi", "--query-gpu=index,memory.total", "--format=csv,noheader,nounits"],
+            capture_output=True, text=True, timeout=30, check=True,
+        ).stdout  # fmt: skip
+    except (OSError, subprocess.SubprocessError):
+        return None
+    sizes = {
+        index.strip(): int(mib) * 2**20 for index, mib in (line.split(",") for line in listed.splitlines() if line)
+    }
+    seen = [d for env in engine_envs for d in env.get("CUDA_VISIBLE_DEVICES", "").split(",") if d] or list(sizes)
+    chosen = [sizes[d] for d in seen if d in sizes]
+    return min(chosen) if chosen else None
+
+
 @contextmanager
 def stop_on_signals() -> Iterator[None]:
     """Turn SIGINT/SIGTERM into :class:`StopSignal` in the main thread, so a stop is honoured during
@@ -118,6 +155,7 @@ def run(args: argparse.Namespace) -> int:
         with stop_on_signals():
             model_dir = resolve_model(args.model)
             engine_envs = split_gpus(args.engines, visible_gpus(args.device, args.engines))
+            check_engines_fit(model_dir, args.device, engine_envs)
     except (ValueError, OSError) as exc:
         logger.error("%s", exc)
         return 2

@@ -40,8 +40,8 @@ from m3stack.operator.autoscaler.algorithm import (
 from m3stack.operator.autoscaler.cluster_view import ClusterView, Key, engine_cluster_state
 from m3stack.operator.autoscaler.metrics_source import GatewayScraper, MetricsTargets, Scrape
 from m3stack.operator.crd import API_VERSION, PLURAL
-from m3stack.operator.handlers import plain
-from m3stack.operator.reconcile import utc_now
+from m3stack.operator.metrics import OperatorMetrics
+from m3stack.operator.objects import plain, utc_now
 from m3stack.operator.render.names import ENGINE, GATEWAY, MANAGED_BY_LABEL, OPERATOR_NAME
 from m3stack.operator.spec import EngineAutoscaling, M3Deployment
 
@@ -108,8 +108,10 @@ class ResourceAutoscaler:
         options: AutoscalerOptions,
         clock: Callable[[], float],
         wall_clock: Callable[[], str],
+        metrics: OperatorMetrics | None = None,
     ) -> None:
         self.key = key
+        self.metrics = metrics
         self.api = api
         self.view = view
         self.scraper = scraper
@@ -181,6 +183,9 @@ class ResourceAutoscaler:
             demand = scrape.inflight + (refused if cluster.ready_replicas == 0 else 0.0)
             self.state = observe(self.state, now, demand, config)
         decision, self.state = decide(config, self.state, now, cluster)
+        if self.metrics is not None:
+            self.metrics.record_decision(self.key, decision.desired_replicas, cluster.current_replicas, decision.mode,
+                                         decision.stable_concurrency)  # fmt: skip
         coverage = report.GatewayCoverage(len(urls), len(scrape.readings), scrape.failures)
         message = report.describe(decision, cluster, config, coverage)
         if decision.desired_replicas != cluster.current_replicas:
@@ -278,8 +283,10 @@ class Autoscalers:
         scraper: GatewayScraper | None = None,
         clock: Callable[[], float] = time.monotonic,
         wall_clock: Callable[[], str] = utc_now,
+        metrics: OperatorMetrics | None = None,
     ) -> None:
         self.api = api
+        self.metrics = metrics
         self.options = options
         self.view = view or ClusterView()
         self.scraper = scraper or GatewayScraper(options.scrape_timeout_s)
@@ -303,7 +310,7 @@ class Autoscalers:
         autoscaler = self._autoscalers.get(key)
         if autoscaler is None or self._tasks[key].done():
             autoscaler = ResourceAutoscaler(
-                key, self.api, self.view, self.scraper, self.options, self.clock, self.wall_clock
+                key, self.api, self.view, self.scraper, self.options, self.clock, self.wall_clock, self.metrics
             )
             self._autoscalers[key] = autoscaler
             self._tasks[key] = asyncio.create_task(autoscaler.run(), name=f"autoscaler {key[0]}/{key[1]}")
@@ -314,6 +321,8 @@ class Autoscalers:
 
     def _stop(self, key: Key) -> None:
         self._autoscalers.pop(key, None)
+        if self.metrics is not None:
+            self.metrics.forget(key)
         task = self._tasks.pop(key, None)
         if task is not None:
             task.cancel()

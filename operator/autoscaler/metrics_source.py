@@ -1,6 +1,6 @@
 """The built-in autoscaler's input: the gateways' exact in-flight counts, read from their ``/metrics``.
 
-Each gateway reports ``m3stack_gateway_engine_inflight_requests{engine=...}``, the engine requests it
+Each gateway reports ``m3stack_gateway_engine_inflight_requests{model_name=..., engine=...}``, the engine requests it
 has open on each engine right now; the sum over engines and gateways is the observed concurrency.
 The 503 responses it counted (``m3stack_gateway_requests_total{status="503"}``) are the demand seen
 while no engine can serve, which is how a deployment scaled to zero wakes up.
@@ -21,10 +21,10 @@ from urllib.parse import urlsplit
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
+from m3stack.metrics import GATEWAY_INFLIGHT as INFLIGHT_METRIC
+from m3stack.metrics import GATEWAY_REQUESTS as REQUESTS_METRIC
+from m3stack.metrics import REFUSED_STATUS
 from m3stack.operator.autoscaler.cluster_view import PodSummary
-from m3stack.operator.autoscaler.gateway_metrics import INFLIGHT as INFLIGHT_METRIC
-from m3stack.operator.autoscaler.gateway_metrics import REFUSED_STATUS
-from m3stack.operator.autoscaler.gateway_metrics import REQUESTS as REQUESTS_METRIC
 
 logger = logging.getLogger(__name__)
 

@@ -12,12 +12,14 @@ from m3stack.operator.render.autoscaling import engine_autoscaler, engine_scaled
 from m3stack.operator.render.config import config_hash, config_map, engine_environment, gateway_environment
 from m3stack.operator.render.engine import engine_deployment, engine_disruption_budget, engine_service
 from m3stack.operator.render.exposure import ingress
+from m3stack.operator.render.flags import GATEWAYS_OWN_DEFAULTS, GatewayDefaults
 from m3stack.operator.render.gateway import (
     gateway_autoscaler,
     gateway_deployment,
     gateway_disruption_budget,
     gateway_service,
 )
+from m3stack.operator.render.monitoring import SERVICE_MONITOR_API_VERSION, Monitoring, service_monitor
 from m3stack.operator.render.multinode import (
     LWS_API_VERSION,
     LWS_KIND,
@@ -54,6 +56,7 @@ INGRESS = ChildKind("networking.k8s.io/v1", "Ingress")
 NETWORK_POLICY = ChildKind("networking.k8s.io/v1", "NetworkPolicy")
 SCALED_OBJECT = ChildKind("keda.sh/v1alpha1", "ScaledObject")
 LEADER_WORKER_SET = ChildKind(LWS_API_VERSION, LWS_KIND)
+SERVICE_MONITOR = ChildKind(SERVICE_MONITOR_API_VERSION, "ServiceMonitor")
 ALL_CHILD_KINDS = (
     CONFIG_MAP,
     SERVICE,
@@ -64,10 +67,11 @@ ALL_CHILD_KINDS = (
     NETWORK_POLICY,
     SCALED_OBJECT,
     LEADER_WORKER_SET,
+    SERVICE_MONITOR,
 )
-# Kinds whose CRD may not be installed (KEDA's, LeaderWorkerSet's): not watched, and a cluster without them
-# holds none.
-OPTIONAL_CHILD_KINDS = (SCALED_OBJECT, LEADER_WORKER_SET)
+# Kinds whose CRD may not be installed (KEDA's, LeaderWorkerSet's, the Prometheus Operator's): not watched, and a
+# cluster without them holds none.
+OPTIONAL_CHILD_KINDS = (SCALED_OBJECT, LEADER_WORKER_SET, SERVICE_MONITOR)
 # Kinds a resource may own more than one of (the gateway's and the engines' HPA; the gateway's and, on one
 # node, the engines' Deployment): pruned by name.
 SHARED_CHILD_KINDS = (HORIZONTAL_POD_AUTOSCALER, DEPLOYMENT)
@@ -79,19 +83,27 @@ def kind_of(manifest: Manifest) -> ChildKind:
     return ChildKind(manifest["apiVersion"], manifest["kind"])
 
 
-def render_children(m3d: M3Deployment, images: Images) -> list[Manifest]:
-    """Every child the resource wants, configuration first so pods never start without it."""
+def render_children(
+    m3d: M3Deployment,
+    images: Images,
+    monitoring: Monitoring | None = None,
+    gateway_defaults: GatewayDefaults = GATEWAYS_OWN_DEFAULTS,
+) -> list[Manifest]:
+    """Every child the resource wants, configuration first so pods never start without it; ``monitoring``: a
+    ServiceMonitor too (given when the cluster serves them); ``gateway_defaults``: the operator's values for
+    the gateway settings the resource leaves unset."""
     spec = m3d.spec
     engine_image, engine_hash = spec.engine.image or images.engine, config_hash(engine_environment(m3d))
+    gateway_hash = config_hash(gateway_environment(m3d, gateway_defaults))
     multi_node = is_multi_node(m3d)
     children = [
-        config_map(m3d),
+        config_map(m3d, gateway_defaults),
         leaders_only(engine_service(m3d)) if multi_node else engine_service(m3d),
         gateway_service(m3d),
         engine_leader_worker_set(m3d, engine_image, engine_hash)
         if multi_node
         else engine_deployment(m3d, engine_image, engine_hash),
-        gateway_deployment(m3d, spec.gateway.image or images.gateway, config_hash(gateway_environment(m3d))),
+        gateway_deployment(m3d, spec.gateway.image or images.gateway, gateway_hash),
         engine_disruption_budget(m3d),
         gateway_disruption_budget(m3d),
     ]
@@ -105,4 +117,6 @@ def render_children(m3d: M3Deployment, images: Images) -> list[Manifest]:
         children.append(ingress(m3d, spec.exposure.ingress))
     if spec.engine.network_policy:
         children.append(engine_network_policy(m3d))
+    if monitoring is not None:
+        children.append(service_monitor(m3d, monitoring))
     return children

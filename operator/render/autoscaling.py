@@ -21,7 +21,9 @@ period, and scale-down stabilization over ``scaleDownDelaySeconds``.
 import math
 from typing import Any
 
-from m3stack.operator.autoscaler.gateway_metrics import INFLIGHT, REFUSED_STATUS, REQUESTS
+from m3stack.metrics import GATEWAY_INFLIGHT as INFLIGHT
+from m3stack.metrics import GATEWAY_REQUESTS as REQUESTS
+from m3stack.metrics import REFUSED_STATUS
 from m3stack.operator.crd import API_VERSION, KIND
 from m3stack.operator.render.names import ENGINE, GATEWAY, child_metadata, child_name
 from m3stack.operator.spec import EngineAutoscaling, M3Deployment
@@ -112,29 +114,41 @@ def engine_scaled_object(m3d: M3Deployment) -> dict[str, Any]:
     }
 
 
-def engine_autoscaler(m3d: M3Deployment) -> dict[str, Any]:
-    scaling = m3d.spec.engine_autoscaling
+def horizontal_pod_autoscaler(
+    m3d: M3Deployment,
+    component: str,
+    target: dict[str, str],
+    replicas: tuple[int, int],
+    metric: dict[str, Any],
+    scaling_behavior: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    """An autoscaling/v2 HorizontalPodAutoscaler of one component: ``target`` (a ``scaleTargetRef``) between
+    ``replicas`` (min, max) on one ``metric``, with the HPA's default behavior unless given."""
+    spec: dict[str, Any] = {
+        "scaleTargetRef": target,
+        "minReplicas": replicas[0],
+        "maxReplicas": replicas[1],
+        "metrics": [metric],
+    }
+    if scaling_behavior is not None:
+        spec["behavior"] = scaling_behavior
     return {
         "apiVersion": "autoscaling/v2",
         "kind": "HorizontalPodAutoscaler",
-        "metadata": child_metadata(m3d, ENGINE),
-        "spec": {
-            "scaleTargetRef": _scale_target(m3d),
-            "minReplicas": scaling.min_replicas,
-            "maxReplicas": scaling.max_replicas,
-            "metrics": [
-                {
-                    "type": "Object",
-                    "object": {
-                        "describedObject": {"apiVersion": "v1", "kind": "Service", "name": child_name(m3d, GATEWAY)},
-                        "metric": {"name": INFLIGHT},
-                        "target": {
-                            "type": "AverageValue",
-                            "averageValue": quantity(target_inflight_per_engine(scaling)),
-                        },
-                    },
-                }
-            ],
-            "behavior": behavior(scaling),
+        "metadata": child_metadata(m3d, component),
+        "spec": spec,
+    }
+
+
+def engine_autoscaler(m3d: M3Deployment) -> dict[str, Any]:
+    scaling = m3d.spec.engine_autoscaling
+    inflight = {
+        "type": "Object",
+        "object": {
+            "describedObject": {"apiVersion": "v1", "kind": "Service", "name": child_name(m3d, GATEWAY)},
+            "metric": {"name": INFLIGHT},
+            "target": {"type": "AverageValue", "averageValue": quantity(target_inflight_per_engine(scaling))},
         },
     }
+    return horizontal_pod_autoscaler(m3d, ENGINE, _scale_target(m3d), (scaling.min_replicas, scaling.max_replicas),
+                                     inflight, behavior(scaling))  # fmt: skip

@@ -7,6 +7,8 @@ from typing import Any
 from m3stack.operator.render.flags import (
     ENGINE_COMMAND,
     GATEWAY_COMMAND,
+    GATEWAYS_OWN_DEFAULTS,
+    GatewayDefaults,
     engine_settings,
     environment,
     gateway_settings,
@@ -19,8 +21,8 @@ def engine_environment(m3d: M3Deployment) -> dict[str, str]:
     return environment(ENGINE_COMMAND, engine_settings(m3d))
 
 
-def gateway_environment(m3d: M3Deployment) -> dict[str, str]:
-    return environment(GATEWAY_COMMAND, gateway_settings(m3d))
+def gateway_environment(m3d: M3Deployment, defaults: GatewayDefaults = GATEWAYS_OWN_DEFAULTS) -> dict[str, str]:
+    return environment(GATEWAY_COMMAND, gateway_settings(m3d, defaults))
 
 
 def config_hash(variables: dict[str, str]) -> str:
@@ -29,11 +31,11 @@ def config_hash(variables: dict[str, str]) -> str:
     return hashlib.sha256(json.dumps(variables, sort_keys=True).encode()).hexdigest()[:16]
 
 
-def config_map(m3d: M3Deployment) -> dict[str, Any]:
+def config_map(m3d: M3Deployment, gateway_defaults: GatewayDefaults = GATEWAYS_OWN_DEFAULTS) -> dict[str, Any]:
     # Both components read the whole map; each subcommand only looks at its own M3STACK_<COMMAND>_ prefix.
     return {
         "apiVersion": "v1",
         "kind": "ConfigMap",
         "metadata": child_metadata(m3d, CONFIG),
-        "data": {**engine_environment(m3d), **gateway_environment(m3d)},
+        "data": {**engine_environment(m3d), **gateway_environment(m3d, gateway_defaults)},
     }

@@ -8,9 +8,12 @@ tests/operator/test_flags.py parses both with the real ``m3stack`` parser: a fla
 component's cli.py fails that test, not a pod at startup.
 """
 
-from m3stack.operator.crd import ROUTING_POLICIES
+from dataclasses import dataclass, field
+from typing import TypeVar
+
 from m3stack.operator.render.names import engine_service_address
-from m3stack.operator.spec import M3Deployment
+from m3stack.operator.spec import M3Deployment, RateLimits, RequestLimits
+from m3stack.operator.spec_schema import ROUTING_POLICIES, THINKING_MODES
 from m3stack.options import env_name
 
 ENGINE_COMMAND = "engine"
@@ -22,6 +25,20 @@ API_KEYS_DIR = "/etc/m3stack/api-keys"
 # Set by the LeaderWorkerSet controller in every container of a group; the kubelet expands $(NAME) in args.
 LWS_LEADER_ADDRESS = "$(LWS_LEADER_ADDRESS)"
 LWS_WORKER_INDEX = "$(LWS_WORKER_INDEX)"
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class GatewayDefaults:
+    """The operator's defaults (its --gateway-* flags, the chart's gatewayDefaults values) for the gateway
+    settings an M3Deployment leaves unset; None here too: the gateway's own default (no variable rendered)."""
+
+    thinking_mode: str | None = None  # the CRD's spelling: Adaptive, Enabled, Disabled
+    limits: RequestLimits = field(default_factory=RequestLimits)
+    rate_limits: RateLimits = field(default_factory=RateLimits)
+
+
+GATEWAYS_OWN_DEFAULTS = GatewayDefaults()
 
 
 def engine_args(m3d: M3Deployment) -> list[str]:
@@ -79,17 +96,41 @@ def engine_settings(m3d: M3Deployment) -> dict[str, str]:
         "--served-model-name": m3d.spec.model.name,
         # The engine's own drain deadline after SIGTERM; terminationGracePeriodSeconds leaves room for it.
         "--drain-timeout": str(m3d.spec.engine.drain.shutdown_timeout_seconds),
+        "--index-dtype": m3d.spec.engine.index_dtype,
+        "--kv-cache-dtype": m3d.spec.engine.kv_cache_dtype,
     }
 
 
-def gateway_settings(m3d: M3Deployment) -> dict[str, str]:
-    """Tunables of the gateway, flag -> value."""
+def gateway_settings(m3d: M3Deployment, defaults: GatewayDefaults = GATEWAYS_OWN_DEFAULTS) -> dict[str, str]:
+    """Tunables of the gateway, flag -> value: the resource's field, else the operator's default, else nothing
+    (the gateway's own default)."""
     gateway = m3d.spec.gateway
+    thinking_mode = _first_set(gateway.thinking_mode, defaults.thinking_mode)
+    chosen = {
+        "--max-request-bytes": _first_set(gateway.limits.max_request_bytes, defaults.limits.max_request_bytes),
+        "--max-request-prompts": _first_set(gateway.limits.max_request_prompts, defaults.limits.max_request_prompts),
+        "--max-request-sequences": _first_set(
+            gateway.limits.max_request_sequences, defaults.limits.max_request_sequences
+        ),
+        "--thinking-mode": None if thinking_mode is None else THINKING_MODES[thinking_mode],
+        "--rate-limit-rps": _first_set(
+            gateway.rate_limits.requests_per_second, defaults.rate_limits.requests_per_second
+        ),
+        "--rate-limit-tpm": _first_set(gateway.rate_limits.tokens_per_minute, defaults.rate_limits.tokens_per_minute),
+        "--rate-limit-concurrency": _first_set(
+            gateway.rate_limits.concurrent_requests, defaults.rate_limits.concurrent_requests
+        ),
+    }
     return {
         "--served-model-name": m3d.spec.model.name,
         "--routing": ROUTING_POLICIES[gateway.routing_policy],
         "--drain-timeout": str(gateway.drain.shutdown_timeout_seconds),
+        **{flag: str(value) for flag, value in chosen.items() if value is not None},
     }
+
+
+def _first_set(own: T | None, default: T | None) -> T | None:
+    return default if own is None else own
 
 
 def environment(command: str, settings: dict[str, str]) -> dict[str, str]:

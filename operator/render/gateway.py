@@ -3,6 +3,7 @@
 from typing import Any
 
 from m3stack.operator.render import pods
+from m3stack.operator.render.autoscaling import horizontal_pod_autoscaler
 from m3stack.operator.render.flags import API_KEYS_DIR, gateway_args
 from m3stack.operator.render.names import GATEWAY, child_metadata, child_name, selector_labels
 from m3stack.operator.spec import M3Deployment
@@ -94,28 +95,15 @@ def gateway_service(m3d: M3Deployment) -> dict[str, Any]:
 
 def gateway_autoscaler(m3d: M3Deployment) -> dict[str, Any]:
     scaling = m3d.spec.gateway_autoscaling
-    return {
-        "apiVersion": "autoscaling/v2",
-        "kind": "HorizontalPodAutoscaler",
-        "metadata": child_metadata(m3d, GATEWAY),
-        "spec": {
-            "scaleTargetRef": {"apiVersion": "apps/v1", "kind": "Deployment", "name": child_name(m3d, GATEWAY)},
-            "minReplicas": scaling.min_replicas,
-            "maxReplicas": scaling.max_replicas,
-            "metrics": [
-                {
-                    "type": "Resource",
-                    "resource": {
-                        "name": "cpu",
-                        "target": {
-                            "type": "Utilization",
-                            "averageUtilization": scaling.target_cpu_utilization_percentage,
-                        },
-                    },
-                }
-            ],
+    deployment = {"apiVersion": "apps/v1", "kind": "Deployment", "name": child_name(m3d, GATEWAY)}
+    cpu = {
+        "type": "Resource",
+        "resource": {
+            "name": "cpu",
+            "target": {"type": "Utilization", "averageUtilization": scaling.target_cpu_utilization_percentage},
         },
     }
+    return horizontal_pod_autoscaler(m3d, GATEWAY, deployment, (scaling.min_replicas, scaling.max_replicas), cpu)
 
 
 def gateway_disruption_budget(m3d: M3Deployment) -> dict[str, Any]:

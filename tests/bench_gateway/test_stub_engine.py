@@ -6,7 +6,7 @@ import asyncio
 import grpc
 
 from bench.gateway_overhead import LOOPBACK, StepClock, StubEngine
-from m3stack.engine.proto import engine_pb2, engine_pb2_grpc
+from m3stack.proto import engine_pb2, engine_pb2_grpc
 
 TOKENS = [11, 12, 13]
 

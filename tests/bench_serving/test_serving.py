@@ -142,3 +142,17 @@ def test_config_weights_are_parsed_and_bad_ones_refused(capsys):
         with pytest.raises(SystemExit):
             parse_args(["--weights", bad])
         assert "--weights" in capsys.readouterr().err
+
+
+def test_fp8_caches_config_serves_beside_the_optimized_engine(tmp_path):
+    """Config e is a over fp8 caches: every point measured, its engine settings name both fp8 dtypes, and its tokens
+    are compared with a's (fp8 K/V move them: tests/engine/model/test_fp8_cache.py bounds by how much)."""
+    run([*SHAPES, "--configs", "a,e", "--concurrency", "1", "--long-context", "0", "--budget-s", "90",
+         "--out", str(tmp_path)])  # fmt: skip
+    payload = json.loads((tmp_path / "serving.json").read_text())
+    warm = _warm(payload["rows"])
+    assert set(warm) == {("a", 1), ("e", 1)} and all("error" not in r and r["output_tok_s"] > 0 for r in warm.values())
+    engine = payload["engines"]["e"]
+    assert engine["index_dtype"] == engine["kv_cache_dtype"] == "fp8_e4m3"
+    assert "index_dtype" not in payload["engines"]["a"]
+    assert payload["greedy_agreement"]["e_vs_a"]["requests"] > 0 and "e_over_a" in payload["ratios"]

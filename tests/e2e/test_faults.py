@@ -21,7 +21,7 @@ import pytest
 
 from m3stack.local.processes import signal_child
 from tests.e2e.conftest import ENGINE_READY_TIMEOUT_S, engine_metrics, gateway_metrics, openai_client, start_stack
-from tests.helpers.serving import StreamRunner, poll_until
+from tests.helpers.serving import StreamRunner, poll_until, total
 
 pytestmark = pytest.mark.xdist_group("e2e_faults")
 
@@ -52,7 +52,7 @@ def client(fault_stack):
 
 
 def gateway_sample(stack, name: str, index: int) -> float:
-    return gateway_metrics(stack).get((name, (("engine", stack.engines[index].address),)), 0.0)
+    return total(gateway_metrics(stack), name, engine=stack.engines[index].address)
 
 
 def inflight(stack, index: int) -> float:
@@ -60,9 +60,7 @@ def inflight(stack, index: int) -> float:
 
 
 def finished_requests(stack, index: int) -> float:
-    return sum(
-        v for (name, _), v in engine_metrics(stack, index).items() if name == "m3stack_engine_requests_finished_total"
-    )
+    return total(engine_metrics(stack, index), "vllm:request_success_total")
 
 
 def start_streams(client, model: str, count: int, max_tokens: int) -> list[StreamRunner]:

@@ -10,6 +10,7 @@ import pytest
 
 from bench.local_load import IMAGE_EVERY, result_rows, run_load
 from tests.e2e.conftest import engine_metrics, gateway_metrics
+from tests.helpers.serving import total
 
 pytestmark = pytest.mark.xdist_group("e2e")
 
@@ -18,11 +19,11 @@ logger = logging.getLogger(__name__)
 REQUESTS = 256
 CONCURRENCY = 32
 MAX_TOKENS = 12
-GENERATED = "m3stack_engine_generation_tokens_total"
+GENERATED = "vllm:generation_tokens_total"
 
 
 def engines_generated(stack) -> float:
-    return sum(engine_metrics(stack, index).get((GENERATED, ()), 0.0) for index in range(len(stack.engines)))
+    return sum(total(engine_metrics(stack, index), GENERATED) for index in range(len(stack.engines)))
 
 
 def peak_inflight_total(stack) -> float:

@@ -44,6 +44,22 @@ def test_configuration_errors_return_2(tiny_model_dir, tmp_path, caplog, args, m
     assert message in caplog.text
 
 
+def test_model_default_is_the_tiny_model_the_engine_uses(tiny_model_dir, monkeypatch):
+    # The engine's `--model default` is ensure_tiny_checkpoint() under $M3STACK_CACHE: the gateway reads that folder.
+    monkeypatch.setenv("M3STACK_CACHE", str(tiny_model_dir.parents[1]))
+    config = cli.build_config(parse(["--model", "default", "--engines", "127.0.0.1:1"]))
+    assert config.model_dir == tiny_model_dir.resolve()
+    assert config.served_model_name == tiny_model_dir.name
+
+
+def test_model_default_without_the_tiny_model_says_how_to_make_it(tmp_path, monkeypatch, caplog):
+    monkeypatch.setenv("M3STACK_CACHE", str(tmp_path))
+    with caplog.at_level(logging.ERROR):
+        assert cli.run(parse(["--model", "default", "--engines", "127.0.0.1:1"])) == 2
+    assert "--model default: the tiny default model is not in" in caplog.text
+    assert "m3stack model init-tiny" in caplog.text
+
+
 def test_the_command_exits_2_with_the_message(tiny_model_dir):
     result = subprocess.run(
         [sys.executable, "-m", "m3stack", "gateway", "--model", str(tiny_model_dir), "--engines", "no-port"],
@@ -70,6 +86,7 @@ MEDIA_FLAGS = [
     ("--media-max-image-pixels", "max_image_pixels", "4096", 4096),
     ("--media-max-video-frame-pixels", "max_video_frame_pixels", "5000", 5000),
     ("--media-max-video-frames", "max_video_frames", "600", 600),
+    ("--media-max-video-seconds", "max_video_seconds", "90.5", 90.5),
     ("--media-max-decoded-frames", "max_decoded_frames", "300", 300),
     ("--media-max-sampled-frames", "max_sampled_frames", "32", 32),
     ("--media-max-video-pixels", "max_video_pixels", "70000", 70000),

@@ -14,13 +14,21 @@ import torch
 
 from m3stack.engine.attention.gpu import GpuAttentionBackend
 from m3stack.engine.attention.reference import ReferenceAttentionBackend
-from m3stack.engine.kv_cache.tensors import KVCacheSpec, LayerKVCache, allocate_kv_cache
+from m3stack.engine.kv_cache.tensors import KVCacheSpec, LayerKVCache, allocate_kv_cache, quantize_index_keys
 from m3stack.engine.msa import reference
-from m3stack.engine.msa.decode_attention import FlashInferSparseDecode, sparse_decode_attention
-from m3stack.engine.msa.decode_index import MAX_DECODE_COLUMNS, NewKeys, ScanConfig, decode_index_topk
+from m3stack.engine.msa.decode_attention import FlashInferSparseDecode, TritonDecodeConfig, sparse_decode_attention
+from m3stack.engine.msa.decode_fused import select_and_attend
+from m3stack.engine.msa.decode_index import (
+    MAX_DECODE_COLUMNS,
+    NewKeys,
+    ScanConfig,
+    decode_index_topk,
+    scan_index_pages,
+)
 from m3stack.engine.msa.decode_plan import SparseDecodePlan, SparseDecodeShape, plan_sparse_decode
+from m3stack.engine.msa.decode_tuning import DecodeTuning
 from tests.engine.attention.step_support import step_metadata
-from tests.engine.msa.prefill_support import PagedBatch, assert_selection_matches, paged_batch
+from tests.engine.msa.prefill_support import PagedBatch, assert_selection_matches, paged_batch, with_fp8_index
 
 SHAPE = SparseDecodeShape(num_q_heads=64, num_kv_heads=4, head_dim=128, index_head_dim=128, block_size=128, topk=16,
                           local_blocks=1)  # fmt: skip
@@ -221,6 +229,92 @@ def test_cuda_graph_replays_the_decode_layer_on_new_inputs(batch, path: str) -> 
     check_attention(paged, q_in, selected, out)
 
 
+@pytest.mark.parametrize("pages_per_split", [None, 4])
+def test_attention_that_merges_the_scan_lists_replays_in_a_graph(batch, pages_per_split: int | None) -> None:
+    """``msa.decode_fused`` at M3 dims in bf16, launched with PDL after the scan inside a CUDA graph replayed on new
+    inputs: the reference's selection (as sets, within the score tolerance) and its attention over it."""
+    paged, q, index_q = batch
+    metadata = paged.metadata
+    plan = plan_sparse_decode(metadata, SHAPE, torch.device("cuda"))
+    q_in, index_q_in = q.clone(), index_q.clone()
+    out = torch.full_like(q, float("nan"))
+    config = TritonDecodeConfig(pages_per_split=pages_per_split)
+
+    def layer() -> torch.Tensor:
+        scan = scan_index_pages(index_q_in, paged.index_key_cache, metadata, plan, ScanConfig(fused_merge=False))
+        select_and_attend(q_in, paged.key_cache, paged.value_cache, scan, metadata, plan, SCALE, config, out=out)
+        return scan.selected
+
+    layer()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        selected = layer()
+    generator = torch.Generator().manual_seed(11)
+    q_in.copy_(torch.randn(q.shape, generator=generator))
+    index_q_in.copy_(torch.randn(index_q.shape, generator=generator))
+    out.fill_(float("nan"))
+    graph.replay()
+    torch.cuda.synchronize()
+    check_selection(paged, index_q_in, selected)
+    check_attention(paged, q_in, selected, out)
+
+
+FP8 = torch.float8_e4m3fn
+
+
+@pytest.mark.parametrize(
+    ("select_in_attention", "index_dtype", "kv_dtype"),
+    [(False, None, None), (True, None, None), (False, FP8, None), (True, FP8, None), (True, FP8, FP8)],
+    ids=["merge-launch", "select-in-attention", "merge-launch-fp8-index", "select-in-attention-fp8-index",
+         "select-in-attention-fp8-caches"],
+)  # fmt: skip
+def test_backend_decode_layers_match_reference_backend(select_in_attention: bool, index_dtype: torch.dtype | None,
+                                                       kv_dtype: torch.dtype | None) -> None:  # fmt: skip
+    """Pure decode steps through ``GpuAttentionBackend.sparse`` (the scan storing the new keys, PDL launches) with
+    either way of merging, over a bf16 or the engine's fp8 k-index and K/V, against the reference backend."""
+    tuning = DecodeTuning(select_in_attention_min_requests=1 if select_in_attention else None)
+    block = SHAPE.block_size
+    spec = KVCacheSpec(
+        num_layers=1, num_kv_heads=SHAPE.num_kv_heads, head_dim=SHAPE.head_dim, block_size=block,
+        index_head_dim=SHAPE.index_head_dim, sparse_layers=(True,), dtype=torch.bfloat16, index_dtype=index_dtype,
+        kv_dtype=kv_dtype,
+    )  # fmt: skip
+    generator = torch.Generator().manual_seed(31)
+    gpu_caches = allocate_kv_cache(spec, 300, "cuda")
+    layer = gpu_caches[0]
+    for tensor in (layer.key, layer.value):
+        tensor.copy_(torch.randn(tensor.shape, generator=generator).round())
+    index_keys = torch.randn(layer.index_key.shape, generator=generator).round().cuda()
+    if index_dtype is None:
+        layer.index_key.copy_(index_keys)
+    else:
+        layer.index_key[:], layer.index_key_scale[:] = quantize_index_keys(index_keys)
+    ref_caches = [LayerKVCache(layer.key.clone(), layer.value.clone(), layer.index_key.clone(),
+                               None if layer.index_key_scale is None else layer.index_key_scale.clone())]  # fmt: skip
+    gpu = GpuAttentionBackend(gpu_caches, topk_blocks=SHAPE.topk, local_blocks=SHAPE.local_blocks,
+                              num_q_heads=SHAPE.num_q_heads, decode_tuning=tuning)  # fmt: skip
+    ref = ReferenceAttentionBackend(ref_caches, topk_blocks=SHAPE.topk, local_blocks=SHAPE.local_blocks)
+    pages = torch.randperm(299, generator=generator)[:270].view(3, 90).cuda() + 1
+    done = {0: 5000, 1: 129, 2: 11000}
+    for _ in range(3):
+        metadata = step_metadata({0: 1, 1: 1, 2: 1}, done, pages, block)
+
+        def randn(*shape: int) -> torch.Tensor:
+            return torch.randn(3, *shape, generator=generator).to("cuda", torch.bfloat16)
+
+        heads, kv_heads, dim = SHAPE.num_q_heads, SHAPE.num_kv_heads, SHAPE.head_dim
+        args = (randn(heads, dim), randn(kv_heads, dim), randn(kv_heads, dim), randn(kv_heads, dim).round(),
+                randn(dim).round())  # fmt: skip
+        outputs = []
+        for backend in (gpu, ref):
+            backend.begin_step(metadata)
+            outputs.append(backend.sparse(0, *args))
+        torch.testing.assert_close(outputs[0].float(), outputs[1].float(), atol=OUT_TOLERANCE, rtol=OUT_TOLERANCE)
+        for request in done:
+            done[request] += 1
+
+
 def test_backend_matches_reference_backend_over_steps() -> None:
     """Prefill chunks (MSA prefill kernels, FlashInfer dense prefill), decode and MTP-like steps
     (decode indexer, FlashInfer flattened decode and dense decode) at M3 dims, bf16."""
@@ -339,6 +433,16 @@ def test_backend_decode_graph_replays_a_later_step() -> None:
     torch.cuda.synchronize()
     for expected, actual in zip(want, captured, strict=True):
         torch.testing.assert_close(actual.float(), expected.float(), atol=OUT_TOLERANCE, rtol=OUT_TOLERANCE)
+
+
+def test_scaled_fp8_index_keys_select_what_the_reference_selects_from_them(batch) -> None:
+    """The engine's fp8 k-index (e4m3 keys and a float32 scale per token in the same pages) at M3 dims."""
+    paged, _, index_q = batch
+    fp8 = with_fp8_index(paged)
+    plan = plan_sparse_decode(paged.metadata, SHAPE, torch.device("cuda"))
+    selected = decode_index_topk(index_q, fp8.index_key_cache, paged.metadata, plan, DecodeTuning().fp8_scan,
+                                 index_key_scale=fp8.index_key_scale)  # fmt: skip
+    check_selection(fp8, index_q, selected)
 
 
 @pytest.mark.parametrize(

@@ -21,17 +21,20 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from m3stack.engine.assembly.build import build_engine_core
+from m3stack.engine.assembly.config import EngineConfig
+from m3stack.engine.assembly.parallel import start_rank, stop_parallel_engine
 from m3stack.engine.attention.reference import ReferenceAttentionBackend
 from m3stack.engine.distributed.config import MULTICAST_OFF_ENV, ParallelConfig
-from m3stack.engine.distributed.engine import free_port, leave_process_group, start_rank, stop_parallel_engine
-from m3stack.engine.distributed.messages import LeaderModel, RecordingBackend, serve_steps
+from m3stack.engine.distributed.leader import LeaderModel
+from m3stack.engine.distributed.processes import free_port, leave_process_group
+from m3stack.engine.distributed.recording import RecordingBackend
+from m3stack.engine.distributed.worker import serve_steps
 from m3stack.engine.kv_cache.tensors import allocate_kv_cache
 from m3stack.engine.model.loader import load_model
 from m3stack.engine.model.tiny import ensure_tiny_checkpoint
 from m3stack.engine.model.vision import Modality
 from m3stack.engine.runtime import offline
-from m3stack.engine.runtime.builder import build_engine_core
-from m3stack.engine.runtime.config import EngineConfig
 from m3stack.engine.runtime.request import SamplingParams
 from m3stack.engine.runtime.validation import build_request
 from tests.engine.model.hf_oracle import relative_error

@@ -12,13 +12,14 @@ import torch
 from transformers import MiniMaxM3SparseForConditionalGeneration
 
 from m3stack.engine import kernel_compiles
+from m3stack.engine.assembly.build import build_engine_core
+from m3stack.engine.assembly.config import EngineConfig
+from m3stack.engine.assembly.core import assemble_engine_core
 from m3stack.engine.attention.gpu import GpuAttentionBackend
 from m3stack.engine.model.config import parse_config
 from m3stack.engine.model.model import M3ForServing
 from m3stack.engine.model.tiny import ensure_tiny_checkpoint
 from m3stack.engine.runtime import offline
-from m3stack.engine.runtime.builder import assemble_engine_core, build_engine_core
-from m3stack.engine.runtime.config import EngineConfig
 from m3stack.engine.runtime.request import SamplingParams
 from m3stack.engine.runtime.validation import build_request
 

@@ -20,13 +20,16 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from m3stack.engine.assembly.choices import make_attention_backend
+from m3stack.engine.assembly.config import EngineConfig
+from m3stack.engine.assembly.parallel import start_rank
 from m3stack.engine.distributed.config import ParallelConfig
-from m3stack.engine.distributed.engine import free_port, leave_process_group, start_rank
-from m3stack.engine.distributed.messages import LeaderModel, RecordingBackend, serve_steps
+from m3stack.engine.distributed.leader import LeaderModel
+from m3stack.engine.distributed.processes import free_port, leave_process_group
+from m3stack.engine.distributed.recording import RecordingBackend
+from m3stack.engine.distributed.worker import serve_steps
 from m3stack.engine.kv_cache.tensors import allocate_kv_cache
 from m3stack.engine.model.loader import load_model
-from m3stack.engine.runtime.builder import make_attention_backend
-from m3stack.engine.runtime.config import EngineConfig
 from tests.engine.model.hf_oracle import token_errors
 from tests.engine.model.paged_runner import Chunk, PagedRunner, Sequence
 

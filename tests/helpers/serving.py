@@ -13,13 +13,29 @@ Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
 
 
 def scrape(url: str) -> Samples:
+    """A /metrics page -> {(sample name, sorted labels): value}."""
+    return parse_samples(httpx.get(url, timeout=10).text)
+
+
+def parse_samples(text: str) -> Samples:
     """Prometheus text -> {(sample name, sorted labels): value}."""
-    text = httpx.get(url, timeout=10).text
     samples = {}
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
             samples[(sample.name, tuple(sorted(sample.labels.items())))] = sample.value
     return samples
+
+
+def series(samples: Samples, name: str, **labels: str) -> float:
+    """The value of ``name``'s sample with exactly ``labels``; KeyError when there is none."""
+    return samples[(name, tuple(sorted(labels.items())))]
+
+
+def total(samples: Samples, name: str, **labels: str) -> float:
+    """The sum of ``name``'s samples whose labels include ``labels`` (0 when there is none): a vLLM-named
+    metric carries ``model_name`` and ``engine`` labels a test need not spell out."""
+    wanted = set(labels.items())
+    return sum(value for (sample, labelled), value in samples.items() if sample == name and wanted <= set(labelled))
 
 
 def poll_until(condition: Callable[[], Any], timeout_s: float, what: str, interval_s: float = 0.1) -> Any:

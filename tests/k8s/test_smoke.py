@@ -11,7 +11,7 @@ from typing import TypeVar
 
 import pytest
 import yaml
-from controlplane import NODES_MANIFEST, POD_CIDR, ControlPlane
+from controlplane import FAKE_NODES, NODES_MANIFEST, ControlPlane
 from kubernetes import client
 
 GPU = "nvidia.com/gpu"
@@ -106,7 +106,7 @@ def test_gpu_deployment_becomes_ready_with_endpoints_and_is_garbage_collected(
     )
     pods = core.list_namespaced_pod(k8s_namespace, label_selector="app=engine").items
     assert len(pods) == replicas
-    pod_network = ipaddress.ip_network(POD_CIDR)
+    pod_network = ipaddress.ip_network(FAKE_NODES.pod_cidr)
     for pod in pods:
         assert pod.spec.node_name in b200_nodes, pod.spec.node_name
         assert pod.status.phase == "Running"

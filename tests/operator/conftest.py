@@ -1,7 +1,10 @@
 """Builders shared by the operator's pure tests."""
 
 import copy
+import importlib.util
+import sys
 from collections.abc import Callable
+from types import ModuleType
 from typing import Any
 
 import pytest
@@ -43,3 +46,18 @@ def make_m3d() -> Callable[..., M3Deployment]:
         return M3Deployment.from_body(body(spec, **identity))
 
     return make
+
+
+@pytest.fixture(scope="session")
+def images_script(repo_root) -> Callable[[str], ModuleType]:
+    """Loads a script of images/ (standard-library Python run outside the package) as a module."""
+
+    def load(name: str) -> ModuleType:
+        spec = importlib.util.spec_from_file_location(f"images_{name}", repo_root / "images" / f"{name}.py")
+        assert spec is not None and spec.loader is not None
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[spec.name] = module  # dataclasses look their module up while the class is made
+        spec.loader.exec_module(module)
+        return module
+
+    return load

@@ -12,9 +12,10 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import ClassVar
 
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from m3stack.gateway.metrics import GatewayMetrics
-from m3stack.operator.autoscaler import gateway_metrics
+from m3stack.metrics import GATEWAY_INFLIGHT, GATEWAY_REQUESTS, REFUSED_STATUS
 from m3stack.operator.autoscaler.cluster_view import PodSummary
 from m3stack.operator.autoscaler.metrics_source import (
     MAX_RESPONSE_BYTES,
@@ -29,7 +30,7 @@ from m3stack.operator.autoscaler.metrics_source import (
 
 
 def gateway_page(inflight: dict[str, int], refused: int = 0, other_statuses: int = 0) -> str:
-    metrics = GatewayMetrics()
+    metrics = GatewayMetrics("m3-prod")
     for engine, count in inflight.items():
         metrics.engine_inflight.labels(engine=engine).set(count)
         metrics.engine_ready.labels(engine=engine).set(1)
@@ -43,11 +44,10 @@ def gateway_page(inflight: dict[str, int], refused: int = 0, other_statuses: int
 
 def test_the_names_are_the_gateways_own():
     page = gateway_page({"10.0.0.1:50051": 1}, refused=1)
-    assert f"# TYPE {gateway_metrics.INFLIGHT} gauge" in page
-    assert (
-        f'{gateway_metrics.REQUESTS}{{endpoint="/v1/chat/completions",status="{gateway_metrics.REFUSED_STATUS}"}}'
-        in (page)
-    )
+    assert f"# TYPE {GATEWAY_INFLIGHT} gauge" in page
+    labels = {"model_name": "m3-prod", "endpoint": "/v1/chat/completions", "status": REFUSED_STATUS}
+    samples = [sample for family in text_string_to_metric_families(page) for sample in family.samples]
+    assert any(sample.name == GATEWAY_REQUESTS and sample.labels == labels for sample in samples)
 
 
 def test_a_gateway_page_gives_the_sum_over_engines_and_the_refused_count():
@@ -78,7 +78,7 @@ def test_pages_that_are_not_a_gateways_are_refused(page, complaint):
 
 
 def test_similar_names_are_not_counted():
-    page = gateway_page({"e:1": 2}) + f'{gateway_metrics.INFLIGHT}_other{{engine="e:1"}} 40.0\n'
+    page = gateway_page({"e:1": 2}) + f'{GATEWAY_INFLIGHT}_other{{engine="e:1"}} 40.0\n'
     assert parse_gateway_metrics(page).inflight == 2
 
 

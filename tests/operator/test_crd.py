@@ -14,6 +14,7 @@ import yaml
 
 from m3stack.operator import crd
 from m3stack.operator.schema import apply_defaults
+from m3stack.operator.spec_schema import SPEC_SCHEMA
 
 
 def _walk(node: dict[str, Any], path: str = "") -> Iterator[tuple[str, dict[str, Any]]]:
@@ -99,7 +100,7 @@ def test_every_default_satisfies_its_own_schema():
 
 
 def test_defaults_of_a_minimal_spec_are_the_designed_ones():
-    spec = apply_defaults(crd.SPEC_SCHEMA, {"model": {"name": "m3"}})
+    spec = apply_defaults(SPEC_SCHEMA, {"model": {"name": "m3"}})
     assert spec["suspend"] is False
     assert spec["model"] == {"name": "m3", "path": "default"}
     engine = spec["engine"]
@@ -108,7 +109,7 @@ def test_defaults_of_a_minimal_spec_are_the_designed_ones():
     assert (engine["grpcPort"], engine["metricsPort"]) == (50051, 9400)
     assert engine["drain"] == {"preStopSeconds": 15, "shutdownTimeoutSeconds": 300}
     assert engine["startup"] == {"timeoutSeconds": 1800}
-    assert engine["kvCache"] == {"cpuOffload": {"size": "0"}}
+    assert engine["kvCache"] == {"cpuOffload": {"size": "0"}, "indexDtype": "auto", "dtype": "auto"}
     assert engine["shmSize"] == "16Gi"
     assert spec["gateway"]["replicas"] == 2
     assert spec["gateway"]["port"] == 8000
@@ -127,7 +128,7 @@ def test_defaulting_keeps_given_values_fills_list_items_and_leaves_the_input_alo
         "exposure": {"ingress": {"host": "m3.example.com"}},
     }
     before = copy.deepcopy(given)
-    spec = apply_defaults(crd.SPEC_SCHEMA, given)
+    spec = apply_defaults(SPEC_SCHEMA, given)
     assert given == before
     assert spec["engine"]["replicas"] == 4
     assert spec["model"]["pvc"] == {"claimName": "models", "mountPath": "/models"}

@@ -4,7 +4,8 @@ The reconcile itself runs against the real control plane in tests/k8s/operator."
 import pytest
 
 from m3stack.operator.apply import POD
-from m3stack.operator.handlers import child_work, owner_key, plain
+from m3stack.operator.handlers import child_work, owner_key
+from m3stack.operator.objects import plain
 from m3stack.operator.reconcile import controlled_by
 from m3stack.operator.render import CONFIG_MAP, DEPLOYMENT, SERVICE
 from m3stack.operator.workqueue import Work

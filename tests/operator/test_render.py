@@ -3,9 +3,12 @@
 import copy
 import math
 
+import yaml
+
 from m3stack.operator.quantity import parse_quantity
 from m3stack.operator.render import ALL_CHILD_KINDS, kind_of, render_children
 from m3stack.operator.render.names import CONFIG_HASH_ANNOTATION, MANAGED_BY_LABEL, OPERATOR_NAME
+from m3stack.operator.spec import M3Deployment
 
 
 def _by_kind(children):
@@ -115,6 +118,24 @@ def test_cpu_engine_requests_no_device_and_offload_alone_sets_the_memory_request
     assert container["resources"] == {"requests": {"cpu": "2", "memory": "3Gi"}}
     assert "tolerations" not in deployment["spec"]["template"]["spec"]
     assert container["args"][container["args"].index("--device") + 1] == "cpu"
+
+
+def test_the_quick_start_example_runs_the_baked_tiny_model_on_cpu_without_volumes(repo_root, images):
+    # The chart's example is what README's quick start applies: engine and gateway both read `--model default`
+    # from their images (no claim to prepare), the engine asks for no GPU, and an Ingress fronts the gateways.
+    example = yaml.safe_load((repo_root / "helm" / "m3stack" / "examples" / "m3deployment.yaml").read_text())
+    example["metadata"].update(namespace="default", uid="u", generation=1)
+    children = _by_kind(render_children(M3Deployment.from_body(example), images))
+    assert ("Ingress", "tiny") in children
+    for component in ("engine", "gateway"):
+        deployment = children[("Deployment", f"tiny-{component}")]
+        container, pod = _container(deployment), deployment["spec"]["template"]["spec"]
+        assert container["args"][container["args"].index("--model") + 1] == "default"
+        assert not [volume for volume in pod["volumes"] if "persistentVolumeClaim" in volume]
+        assert not [value for bucket in container["resources"].values() for value in bucket if "gpu" in value]
+        assert "nodeSelector" not in pod and "tolerations" not in pod
+    engine = _container(children[("Deployment", "tiny-engine")])
+    assert engine["args"][engine["args"].index("--device") + 1] == "cpu"
 
 
 def test_replicas_follow_the_spec_and_suspend_scales_everything_to_zero(make_m3d, images):
@@ -237,6 +258,15 @@ def test_a_setting_change_rolls_only_the_pods_that_read_it(make_m3d, images):
             _hashes(make_m3d({"model": {"name": "other"}}), images), (engine_hash, gateway_hash), strict=True
         )
     )
+
+
+def test_the_cache_dtypes_reach_the_engine_and_roll_only_its_pods(make_m3d, images):
+    fp8 = {"engine": {"kvCache": {"indexDtype": "fp8_e4m3", "dtype": "fp8_e4m3"}}}
+    data = _by_kind(render_children(make_m3d(fp8), images))[("ConfigMap", "demo-config")]["data"]
+    assert data["M3STACK_ENGINE_INDEX_DTYPE"] == data["M3STACK_ENGINE_KV_CACHE_DTYPE"] == "fp8_e4m3"
+    engine_hash, gateway_hash = _hashes(make_m3d(), images)
+    fp8_engine_hash, fp8_gateway_hash = _hashes(make_m3d(fp8), images)
+    assert fp8_engine_hash != engine_hash and fp8_gateway_hash == gateway_hash
 
 
 def test_user_environment_and_extra_args_come_last_and_win(make_m3d, images):

@@ -29,8 +29,9 @@ helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" }}
 {{- end -}}
 
 {{- define "m3stack.componentImage" -}}
-{{- $image := index .root.Values.defaultImages .component -}}
-{{- default (printf "ghcr.io/m3stack/%s:%s" .component .root.Chart.AppVersion) $image -}}
+{{- $images := .root.Values.defaultImages -}}
+{{- $tag := default .root.Chart.AppVersion $images.tag -}}
+{{- default (printf "%s/%s:%s" $images.repository .component $tag) (index $images .component) -}}
 {{- end -}}
 
 {{/* Rules on the namespaced resources the operator serves and creates (see operator/apply.py REQUIRED_RULES). */}}
@@ -59,6 +60,9 @@ helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" }}
 - apiGroups: [leaderworkerset.x-k8s.io]
   resources: [leaderworkersets]
   verbs: [create, delete, get, list, patch, watch]
+- apiGroups: [monitoring.coreos.com]
+  resources: [servicemonitors]
+  verbs: [create, delete, get, list, patch, watch]
 - apiGroups: [networking.k8s.io]
   resources: [ingresses, networkpolicies]
   verbs: [create, delete, get, list, patch, watch]
@@ -82,4 +86,26 @@ helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" }}
 - apiGroups: [""]
   resources: [namespaces]
   verbs: [list, watch]
+{{- end -}}
+
+{{/* The operator's --gateway-* flags from gatewayDefaults (operator/cli.py): only the values that are set, so
+an empty one leaves the gateway's own default. Whole numbers print as integers (YAML numbers reach templates
+as float64, which print in exponent form above 1e6). */}}
+{{- define "m3stack.gatewayDefaultFlags" -}}
+{{- $defaults := .Values.gatewayDefaults -}}
+{{- with $defaults.thinkingMode }}
+- --gateway-thinking-mode={{ . }}
+{{- end }}
+{{- $numbers := dict
+  "rate-limit-rps" (dig "rateLimits" "requestsPerSecond" nil $defaults)
+  "rate-limit-tpm" (dig "rateLimits" "tokensPerMinute" nil $defaults)
+  "rate-limit-concurrency" (dig "rateLimits" "concurrentRequests" nil $defaults)
+  "max-request-bytes" (dig "limits" "maxRequestBytes" nil $defaults)
+  "max-request-prompts" (dig "limits" "maxRequestPrompts" nil $defaults)
+  "max-request-sequences" (dig "limits" "maxRequestSequences" nil $defaults) }}
+{{- range $flag, $value := $numbers }}
+{{- if not (kindIs "invalid" $value) }}
+- --gateway-{{ $flag }}={{ if eq (float64 $value) (floor $value) }}{{ int64 $value }}{{ else }}{{ $value }}{{ end }}
+{{- end }}
+{{- end }}
 {{- end -}}

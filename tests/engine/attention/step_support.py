@@ -2,7 +2,7 @@
 
 import torch
 
-from m3stack.engine.attention.metadata import AttentionMetadata
+from m3stack.engine.kv_cache.metadata import AttentionMetadata
 
 
 def step_metadata(

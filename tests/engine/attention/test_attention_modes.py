@@ -10,12 +10,13 @@ import random
 import pytest
 import torch
 
+from m3stack.engine.assembly.build import build_engine_core
+from m3stack.engine.assembly.choices import make_attention_backend
+from m3stack.engine.assembly.config import EngineConfig
 from m3stack.engine.attention.dense_only import DenseOnlyAttention
 from m3stack.engine.attention.reference import ReferenceAttentionBackend
 from m3stack.engine.model.config import parse_config
 from m3stack.engine.runtime import offline
-from m3stack.engine.runtime.builder import build_engine_core, make_attention_backend
-from m3stack.engine.runtime.config import EngineConfig
 from m3stack.engine.runtime.request import SamplingParams
 from m3stack.engine.runtime.validation import build_request
 

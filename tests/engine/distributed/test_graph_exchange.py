@@ -12,8 +12,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from m3stack.engine.distributed.engine import free_port
-from m3stack.engine.distributed.messages import (
+from m3stack.engine.distributed.channel import (
     INLINE_INTS,
     Channel,
     Op,
@@ -23,6 +22,7 @@ from m3stack.engine.distributed.messages import (
     send_message,
     send_staged_step,
 )
+from m3stack.engine.distributed.processes import free_port
 from m3stack.engine.runtime.cuda_graphs import PaddedDecodeBuffers
 from m3stack.engine.runtime.inputs import HostInputs
 

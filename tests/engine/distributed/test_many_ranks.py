@@ -9,12 +9,12 @@ import random
 import pytest
 import torch
 
+from m3stack.engine.assembly.build import build_engine_core
+from m3stack.engine.assembly.config import EngineConfig
+from m3stack.engine.assembly.parallel import stop_parallel_engine
 from m3stack.engine.distributed.config import ParallelConfig
-from m3stack.engine.distributed.engine import stop_parallel_engine
 from m3stack.engine.model.tiny import write_tiny_checkpoint
 from m3stack.engine.runtime import offline
-from m3stack.engine.runtime.builder import build_engine_core
-from m3stack.engine.runtime.config import EngineConfig
 from m3stack.engine.runtime.request import SamplingParams
 from m3stack.engine.runtime.validation import build_request
 

@@ -12,16 +12,16 @@ import subprocess
 import grpc
 import pytest
 
-from m3stack.engine.distributed.engine import LOST_RANK_EXIT_CODE
+from m3stack.engine.assembly.build import build_engine_core
+from m3stack.engine.assembly.config import EngineConfig
+from m3stack.engine.distributed.processes import LOST_RANK_EXIT_CODE
 from m3stack.engine.model.tiny import write_tiny_checkpoint
-from m3stack.engine.proto import engine_pb2 as pb
-from m3stack.engine.proto import engine_pb2_grpc
 from m3stack.engine.runtime import offline
-from m3stack.engine.runtime.builder import build_engine_core
-from m3stack.engine.runtime.config import EngineConfig
 from m3stack.engine.runtime.request import SamplingParams
 from m3stack.engine.runtime.validation import build_request
 from m3stack.local.processes import free_port
+from m3stack.proto import engine_pb2 as pb
+from m3stack.proto import engine_pb2_grpc
 from tests.helpers.engine_process import LOOPBACK, start_engine_process, wait_engine_loaded
 
 NEW_TOKENS = 8

@@ -13,13 +13,13 @@ import random
 import pytest
 import torch
 
+from m3stack.engine.assembly.build import build_engine_core
+from m3stack.engine.assembly.config import EngineConfig
+from m3stack.engine.assembly.parallel import stop_parallel_engine
 from m3stack.engine.attention.reference import ReferenceAttentionBackend
 from m3stack.engine.distributed.config import ParallelConfig
-from m3stack.engine.distributed.engine import stop_parallel_engine
-from m3stack.engine.distributed.messages import RecordingBackend
+from m3stack.engine.distributed.recording import RecordingBackend
 from m3stack.engine.model.vision import Modality as ModelModality
-from m3stack.engine.runtime.builder import build_engine_core
-from m3stack.engine.runtime.config import EngineConfig
 from m3stack.engine.runtime.engine_core import EngineCore
 from m3stack.engine.runtime.request import Modality, SamplingParams
 from m3stack.engine.runtime.validation import MultimodalSpec, build_request
@@ -44,7 +44,7 @@ def _prompts(info) -> dict[str, tuple[list[int], list[MultimodalSpec]]]:
     pixels = torch.randn(96, info.patch_dim, generator=torch.Generator().manual_seed(7))
     before, after = [rng.randrange(380) for _ in range(50)], [rng.randrange(380) for _ in range(60)]
     image_prompt = [*before, *[info.image_token_id] * 24, *after]
-    image = MultimodalSpec(Modality.IMAGE, "image-7", pixels, GRID, ((50, 24),))
+    image = MultimodalSpec(Modality.IMAGE, "image-7", pixels, (GRID,), ((50, 24),))
     return {"text": (text, []), "image": (image_prompt, [image])}
 
 

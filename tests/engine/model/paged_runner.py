@@ -8,13 +8,13 @@ of an unwritten slot poisons the output.
 
 import random
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
 from m3stack.engine.attention.backend import AttentionBackend
-from m3stack.engine.attention.metadata import AttentionMetadata
 from m3stack.engine.attention.reference import ReferenceAttentionBackend
+from m3stack.engine.kv_cache.metadata import AttentionMetadata
 from m3stack.engine.kv_cache.tensors import LayerKVCache, allocate_kv_cache
 from m3stack.engine.model.model import M3ForServing
 
@@ -44,13 +44,16 @@ class PagedRunner:
         seed: int = 0,
         topk_blocks: int | None = None,
         backend_factory: Callable[[list[LayerKVCache]], AttentionBackend] | None = None,
+        index_dtype: torch.dtype | None = None,
+        kv_dtype: torch.dtype | None = None,
     ) -> None:
         self.model = model
         self.device = torch.device(device)
         self.block_size = model.config.text.index_block_size
-        caches = allocate_kv_cache(model.kv_cache_spec(), num_pages, self.device)
+        spec = replace(model.kv_cache_spec(), index_dtype=index_dtype, kv_dtype=kv_dtype)
+        caches = allocate_kv_cache(spec, num_pages, self.device)
         for cache in caches:
-            for tensor in (cache.key, cache.value, cache.index_key):
+            for tensor in (cache.key, cache.value, cache.index_key, cache.index_key_scale):
                 if tensor is not None:
                     tensor.fill_(float("nan"))
         text = model.config.text

@@ -1,9 +1,11 @@
-"""MoE expert paths: the grouped-GEMM path (bf16 on CUDA in serving) equals the per-expert loop."""
+"""MoE expert paths: the grouped-GEMM path (bf16 on CUDA in serving) and every-expert path (other dtypes on CUDA)
+equal the per-expert loop, and the path a CUDA step takes never reads a device value on the host."""
 
 import copy
 
 import pytest
 import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
 
 from m3stack.engine.model.loader import load_model
 from m3stack.engine.model.moe import MoE
@@ -16,23 +18,51 @@ def moe(tiny_model_dir) -> MoE:
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_grouped_and_looped_expert_paths_agree(moe, dtype):
+def test_grouped_every_expert_and_looped_paths_agree(moe, dtype):
     generator = torch.Generator().manual_seed(5)
     x = torch.randn(37, moe.gate_up_proj.shape[2], generator=generator)
     with torch.inference_mode():
         expert_ids, _ = moe.router(x)
-        flat = expert_ids.flatten()
-        order = torch.argsort(flat, stable=True)
-        inputs = x[order // expert_ids.shape[1]]
+        row_ids, order = torch.sort(expert_ids.flatten(), stable=True)
+        inputs = x[order // expert_ids.shape[1]].to(dtype)
         experts = copy.deepcopy(moe).to(dtype)
-        looped = experts._looped(inputs.to(dtype), flat)
-        grouped = experts._grouped(inputs.to(dtype), flat)
+        looped = experts._looped(inputs, row_ids)
+        grouped = experts._grouped(inputs, row_ids)
+        every = experts._every_expert(inputs, row_ids)
     tolerance = 1e-5 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(grouped.float(), looped.float(), rtol=tolerance, atol=tolerance)
+    torch.testing.assert_close(every.float(), looped.float(), rtol=tolerance, atol=tolerance)
 
 
 def test_experts_without_tokens_are_empty_groups(moe):
     x = torch.randn(3, moe.gate_up_proj.shape[2])
-    flat = torch.tensor([0, 0, 3])  # experts 1 and 2 get nothing
+    row_ids = torch.tensor([0, 0, 3])  # experts 1 and 2 get nothing
     with torch.inference_mode():
-        torch.testing.assert_close(moe._grouped(x, flat), moe._looped(x, flat), rtol=1e-5, atol=1e-5)
+        looped = moe._looped(x, row_ids)
+        torch.testing.assert_close(moe._grouped(x, row_ids), looped, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(moe._every_expert(x, row_ids), looped, rtol=1e-5, atol=1e-5)
+
+
+def test_every_expert_path_leaves_other_ranks_rows_zero(moe):
+    """An id past the last expert marks a pair another rank runs (expert parallelism): its row adds zero."""
+    x = torch.randn(3, moe.gate_up_proj.shape[2])
+    skip = moe.gate_up_proj.shape[0]
+    with torch.inference_mode():
+        out = moe._every_expert(x, torch.tensor([1, skip, skip]))
+    assert torch.equal(out[1:], torch.zeros_like(out[1:])) and bool(out[0].abs().sum() > 0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_expert_path_of_a_cuda_step_reads_no_device_value_on_the_host(moe, dtype):
+    """A decode step on CUDA is captured in a CUDA graph, where a device value read on the host fails (the float32
+    engine's capture on the H200: the loop's ``torch.bincount`` copies the ids' minimum to pageable memory, 'Cannot
+    copy between CPU and CUDA tensors during CUDA graph capture unless the CPU tensor is pinned').  Fake tensors
+    carry shapes, not values: any value-dependent step (``bincount``, ``tolist``, ``item``) raises under them.  The
+    path is chosen for CUDA activations (a fake CUDA tensor) and run here on CPU tensors."""
+    experts = copy.deepcopy(moe).to(dtype)
+    hidden = experts.gate_up_proj.shape[2]
+    with torch.inference_mode(), FakeTensorMode(allow_non_fake_inputs=True):
+        path = experts.expert_path(torch.empty(1, hidden, dtype=dtype, device="cuda"))
+        row_ids = torch.randint(0, experts.gate_up_proj.shape[0], (48,)).sort().values
+        out = path(torch.randn(48, hidden, dtype=dtype), row_ids)
+    assert path != experts._looped and tuple(out.shape) == (48, experts.down_proj.shape[1])

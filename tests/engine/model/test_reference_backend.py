@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from m3stack.engine.attention import reference as backend_module
-from m3stack.engine.attention.metadata import AttentionMetadata
 from m3stack.engine.attention.reference import ReferenceAttentionBackend
+from m3stack.engine.kv_cache.metadata import AttentionMetadata
 from m3stack.engine.kv_cache.tensors import KVCacheSpec, allocate_kv_cache
 from m3stack.engine.msa.reference import dense_causal_attention, index_block_topk, sparse_attention
 from m3stack.engine.msa.store import store_kv

@@ -1,7 +1,11 @@
 """The embedded tiny checkpoint: loadable by transformers, deterministic, shared safely, tokenizer complete."""
 
 import hashlib
+import os
 import re
+import stat
+import subprocess
+import sys
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -48,7 +52,8 @@ def test_processor_expands_an_image_prompt_with_m3_markers(tiny_model_dir):
     expected = int(grid[0] * grid[1] * grid[2]) // 4
     assert ids.count(tokenizer.convert_tokens_to_ids(IMAGE_TOKEN)) == expected
     text = tokenizer.decode(ids)
-    assert text.startswith("]~!b[]~b]system\nBe brief.[e~[\n]~b]user\n" + IMAGE_START_TOKEN)
+    assert text.startswith("]~!b[]~b]system\n")
+    assert "[e~[\n]~b]developer\nBe brief.[e~[\n]~b]user\n" + IMAGE_START_TOKEN in text
     assert text.endswith(IMAGE_END_TOKEN + "Hi[e~[\n]~b]ai\n")
 
 
@@ -75,6 +80,38 @@ def test_concurrent_first_use_creates_one_complete_copy(tmp_path):
     created = [p.name for p in (tmp_path / "models").iterdir() if not p.name.startswith(".")]
     assert created == [Path(folders[0]).name]
     assert (Path(folders[0]) / "model.safetensors.index.json").is_file()
+
+
+def test_the_weightless_copy_is_made_without_torch_and_has_the_same_files(tmp_path, tiny_model_dir):
+    # The gateway image has no torch: `init-tiny --no-weights` must not import it, and must write the very bytes
+    # the engine image's whole model has, or gateway and engine pods would disagree on token ids.
+    script = (
+        "import sys; sys.modules['torch'] = None; sys.modules['safetensors.torch'] = None\n"
+        "from m3stack.cli import main; sys.exit(main(['model', 'init-tiny', '--no-weights']))"
+    )
+    env = {**os.environ, "M3STACK_CACHE": str(tmp_path)}
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=120)
+    assert result.returncode == 0, result.stderr
+    folder = Path(result.stdout.strip())
+    assert folder == tmp_path / "models" / tiny_model_dir.name
+    whole = _digest(tiny_model_dir)
+    weights = {name for name in whole if name.endswith(".safetensors") or name == "model.safetensors.index.json"}
+    assert len(weights) == 3
+    assert _digest(folder) == {name: digest for name, digest in whole.items() if name not in weights}
+
+
+def test_the_cached_model_is_readable_by_other_users(tmp_path):
+    # The images generate it as root and their pods read it as uid 10001; CI and developers may share a cache.
+    folder = ensure_tiny_checkpoint(tmp_path)
+    assert stat.S_IMODE(folder.stat().st_mode) & 0o005 == 0o005
+    unreadable = [path.name for path in folder.iterdir() if not stat.S_IMODE(path.stat().st_mode) & 0o004]
+    assert unreadable == []
+
+
+def test_an_engine_refuses_the_weightless_copy(tmp_path):
+    ensure_tiny_checkpoint(tmp_path, weights=False)
+    with pytest.raises(ValueError, match="without its weights"):
+        ensure_tiny_checkpoint(tmp_path)
 
 
 def test_init_tiny_refuses_a_non_empty_folder(tmp_path, caplog):

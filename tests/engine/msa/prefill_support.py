@@ -2,11 +2,18 @@
 a cached prefix and a chunk of new tokens, keys scattered over a shuffled page pool, unused slots
 poisoned) and a tie-tolerant comparison of block selections."""
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
-from m3stack.engine.attention.metadata import AttentionMetadata
+from m3stack.engine.kv_cache.metadata import AttentionMetadata
+from m3stack.engine.kv_cache.tensors import (
+    FP8_KV_DTYPE,
+    dequantize_index_keys,
+    fp8_index_from,
+    quantize_index_keys,
+    to_kv_cache,
+)
 
 
 @dataclass
@@ -20,9 +27,29 @@ class PagedBatch:
     index_keys: list[torch.Tensor]  # per request, contiguous [S, d]
     token_ranges: list[tuple[int, int]]  # per request, its rows of the flat [T, ...] tensors
 
+    index_key_scale: torch.Tensor | None = None  # [num_pages, B] float32 with an fp8 k-index (``with_fp8_index``)
+
     def request_positions(self, request: int) -> torch.Tensor:
         start, stop = self.token_ranges[request]
         return self.metadata.positions[start:stop]
+
+
+def with_fp8_kv(batch: PagedBatch) -> PagedBatch:
+    """The batch with an fp8 KV cache (e4m3, clamped, scale 1); its per-request K and V become what the kernels read,
+    the stored values widened.  Unwritten slots stay NaN."""
+    key_cache, value_cache = (to_kv_cache(c, FP8_KV_DTYPE) for c in (batch.key_cache, batch.value_cache))
+    keys, values = ([to_kv_cache(x, FP8_KV_DTYPE).float() for x in xs] for xs in (batch.keys, batch.values))
+    return replace(batch, key_cache=key_cache, value_cache=value_cache, keys=keys, values=values)
+
+
+def with_fp8_index(batch: PagedBatch) -> PagedBatch:
+    """The batch with its k-index stored as the engine stores an fp8 one: e4m3 keys divided by a float32 scale per
+    token, in raw pages holding both (``kv_cache.tensors``); its per-request index keys become what the kernels
+    score, the dequantized keys.  Unwritten slots stay NaN."""
+    keys, scales = fp8_index_from(batch.index_key_cache)
+    scales.masked_fill_(batch.index_key_cache.isnan().any(-1), float("nan"))
+    index_keys = [dequantize_index_keys(*quantize_index_keys(k)) for k in batch.index_keys]
+    return replace(batch, index_key_cache=keys, index_key_scale=scales, index_keys=index_keys)
 
 
 def _scatter(cache: torch.Tensor, pages: torch.Tensor, values: torch.Tensor, block_size: int) -> None:

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from m3stack.engine.kv_cache.tensors import LayerKVCache
-from m3stack.engine.msa import reference
+from m3stack.engine.msa import reference, store
 from m3stack.engine.msa.decode_index import (
     NewKeys,
     ScanConfig,
@@ -21,7 +21,7 @@ from m3stack.engine.msa.decode_index import (
     scan_index_pages,
 )
 from m3stack.engine.msa.decode_plan import SparseDecodeShape, plan_sparse_decode
-from tests.engine.msa.prefill_support import PagedBatch, assert_selection_matches, paged_batch
+from tests.engine.msa.prefill_support import PagedBatch, assert_selection_matches, paged_batch, with_fp8_index
 
 BLOCK, HKV, INDEX_DIM = 16, 2, 16
 # Ragged decode batch: long and short contexts, exact block multiples and tails, a request still
@@ -45,14 +45,16 @@ def shape_for(topk: int, local_blocks: int, heads: int = HKV) -> SparseDecodeSha
 
 
 def check_against_reference(batch: PagedBatch, index_q: torch.Tensor, shape: SparseDecodeShape, splits: int | None,
-                            config: ScanConfig | None = None) -> None:  # fmt: skip
+                            config: ScanConfig | None = None, tolerance: float | None = None) -> None:  # fmt: skip
     metadata = batch.metadata
     plan = plan_sparse_decode(metadata, shape, torch.device("cpu"), scan_splits=splits)
     plan.page_ids.fill_(-7)  # poison: every entry must be written
-    selected = decode_index_topk(index_q, batch.index_key_cache, metadata, plan, config)
+    selected = decode_index_topk(index_q, batch.index_key_cache, metadata, plan, config,
+                                 index_key_scale=batch.index_key_scale)  # fmt: skip
     heads = shape.num_kv_heads
     assert selected.dtype == torch.int32 and selected.shape == (heads, metadata.num_tokens, shape.topk)
-    tolerance = 0.0 if index_q.dtype == torch.float32 else 1e-5
+    if tolerance is None:
+        tolerance = 0.0 if index_q.dtype == torch.float32 else 1e-5
     for request, (start, stop) in enumerate(batch.token_ranges):
         positions = batch.request_positions(request)
         keys = batch.index_keys[request]
@@ -181,6 +183,53 @@ def test_fp8_index_keys_match_the_reference_on_the_same_keys() -> None:
     batch.index_key_cache = fp8_cache
     batch.index_keys = [keys.to(torch.float8_e4m3fn).float() for keys in batch.index_keys]
     check_against_reference(batch, index_q, shape_for(topk=4, local_blocks=1), splits=2)
+
+
+# Scores of scaled fp8 keys: the kernel scales the key's dot product, the reference dots the scaled key (products of
+# a 4-bit and a 24-bit mantissa round differently in fp32), so near-ties may flip.
+FP8_SCORE_TOLERANCE = 1e-4
+
+
+@pytest.mark.parametrize(
+    ("config", "splits"),
+    [(ScanConfig(), 3), (ScanConfig(fused_merge=False, merge_warps=1), None), (ScanConfig(shared_pages=True), 2),
+     (ScanConfig(pages_per_iteration=2, page_ids_ahead=True), 2)],
+    ids=["fused-merge", "merge-launch", "shared-pages", "two-pages-ahead"],
+)  # fmt: skip
+def test_scaled_fp8_index_keys_select_what_the_reference_selects_from_the_dequantized_keys(
+    config: ScanConfig, splits: int | None
+) -> None:
+    """The engine's fp8 k-index: e4m3 keys with a float32 scale per token in the same pages."""
+    batch, index_q = make_batch(torch.float32, seed=29)
+    check_against_reference(with_fp8_index(batch), index_q, shape_for(topk=4, local_blocks=1), splits, config,
+                            FP8_SCORE_TOLERANCE)  # fmt: skip
+
+
+@pytest.mark.parametrize("shared_pages", [False, True], ids=["per-request-scan", "shared-page-scan"])
+def test_the_scan_stores_new_index_keys_into_an_fp8_k_index_as_the_store_does(shared_pages: bool) -> None:
+    """The scan's fused store quantizes each new index key with its own scale, byte for byte as ``store_kv``."""
+    batch, index_q = make_batch(torch.float32, seed=37, requests=[(250, 1), (37, 1), (16, 1), (129, 1)])
+    batch = with_fp8_index(batch)
+    metadata = batch.metadata
+    shape = shape_for(topk=4, local_blocks=1)
+    plan = plan_sparse_decode(metadata, shape, torch.device("cpu"), scan_splits=2)
+    generator = torch.Generator().manual_seed(8)
+    k, v = (torch.randn(metadata.num_tokens, HKV, 16, generator=generator) for _ in range(2))
+    index_k = torch.randn(metadata.num_tokens, INDEX_DIM, generator=generator) * torch.tensor([[0.01], [3], [50], [1]])
+    twin = LayerKVCache(batch.key_cache.clone(), batch.value_cache.clone(), batch.index_key_cache.clone(),
+                        batch.index_key_scale.clone())  # fmt: skip
+    store.store_kv(twin, metadata.slot_mapping, k, v, index_k, torch_only=True)
+    cache = LayerKVCache(batch.key_cache, batch.value_cache, batch.index_key_cache, batch.index_key_scale)
+    decode_index_topk(index_q, cache.index_key, metadata, plan, ScanConfig(shared_pages=shared_pages),
+                      NewKeys(cache, metadata.slot_mapping, k, v, index_k), cache.index_key_scale)  # fmt: skip
+    slots = metadata.slot_mapping.long()
+    pages, offsets = slots // BLOCK, slots % BLOCK
+    assert torch.equal(cache.index_key_scale[pages, offsets], twin.index_key_scale[pages, offsets])
+    assert torch.equal(
+        cache.index_key[pages, offsets].view(torch.uint8), twin.index_key[pages, offsets].view(torch.uint8)
+    )
+    for got, want in ((cache.key, twin.key), (cache.value, twin.value)):
+        torch.testing.assert_close(got, want, rtol=0, atol=0, equal_nan=True)  # NaN: slots nothing wrote
 
 
 def shared_prefix_batch(seed: int) -> tuple[PagedBatch, torch.Tensor]:

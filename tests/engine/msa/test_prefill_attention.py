@@ -23,7 +23,7 @@ from m3stack.engine.msa.prefill_csr import (
     build_block_queries,
 )
 from m3stack.engine.msa.prefill_plan import global_blocks, token_requests
-from tests.engine.msa.prefill_support import PagedBatch, paged_batch
+from tests.engine.msa.prefill_support import PagedBatch, paged_batch, with_fp8_kv
 
 BLOCK = 16
 KV_HEADS = 2
@@ -111,6 +111,17 @@ def test_matches_reference(
     out = sparse_prefill(
         q, batch.key_cache, batch.value_cache, selection, batch.metadata, SCALE, method, tuning=tuning, **kwargs
     )
+    _assert_close(out, _reference(batch, q, selection))
+
+
+@pytest.mark.parametrize("method", ["block_major", "query_major"])
+def test_an_fp8_kv_cache_is_read_as_the_values_it_holds(method: str) -> None:
+    """``--kv-cache-dtype fp8_e4m3``: the kernels widen each K/V tile (exactly) and attend in the queries' dtype, so
+    they match the reference over the cache's values."""
+    batch, q, selection = _batch(torch.float32, seed=19)
+    batch = with_fp8_kv(batch)
+    out = sparse_prefill(q, batch.key_cache, batch.value_cache, selection, batch.metadata, SCALE, method,
+                         tuning=TUNING)  # fmt: skip
     _assert_close(out, _reference(batch, q, selection))
 
 

@@ -14,7 +14,7 @@ import torch
 from m3stack.engine.msa import reference
 from m3stack.engine.msa.prefill_index import IndexTuning, prefill_index_topk
 from m3stack.engine.msa.prefill_plan import token_tiles
-from tests.engine.msa.prefill_support import PagedBatch, assert_selection_matches, paged_batch
+from tests.engine.msa.prefill_support import PagedBatch, assert_selection_matches, paged_batch, with_fp8_index
 
 BLOCK = 16
 HEADS = 2
@@ -40,12 +40,18 @@ def batch(request: pytest.FixtureRequest) -> tuple[PagedBatch, torch.Tensor]:
 
 
 def _check_against_reference(
-    batch: PagedBatch, index_q: torch.Tensor, selection: torch.Tensor, topk: int, local_blocks: int
+    batch: PagedBatch,
+    index_q: torch.Tensor,
+    selection: torch.Tensor,
+    topk: int,
+    local_blocks: int,
+    tolerance: float | None = None,
 ) -> None:
     assert selection.dtype == torch.int32
     assert selection.shape == (HEADS, batch.metadata.num_tokens, topk)
     # fp16 products are exact in fp32, only the summation order differs from the reference.
-    tolerance = 0.0 if index_q.dtype == torch.float32 else 1e-5
+    if tolerance is None:
+        tolerance = 0.0 if index_q.dtype == torch.float32 else 1e-5
     for request, (start, stop) in enumerate(batch.token_ranges):
         positions = batch.request_positions(request)
         expected = reference.index_block_topk(
@@ -61,6 +67,17 @@ def test_selection_matches_reference(batch: tuple[PagedBatch, torch.Tensor], key
     tuning = IndexTuning(tile_tokens=8, key_splits=key_splits)
     selection = prefill_index_topk(index_q, paged.index_key_cache, paged.metadata, 4, 1, tuning)
     _check_against_reference(paged, index_q, selection, topk=4, local_blocks=1)
+
+
+@pytest.mark.parametrize("key_splits", [1, 3], ids=["one-pass", "split-keys"])
+def test_scaled_fp8_index_keys_select_what_the_reference_selects_from_the_dequantized_keys(key_splits: int) -> None:
+    paged, index_q = _batch(torch.float32, seed=41)
+    paged = with_fp8_index(paged)
+    tuning = IndexTuning(tile_tokens=8, key_splits=key_splits)
+    selection = prefill_index_topk(index_q, paged.index_key_cache, paged.metadata, 4, 1, tuning,
+                                   index_key_scale=paged.index_key_scale)  # fmt: skip
+    # The kernel scales each key's dot product, the reference dots the scaled key: fp32 roundings differ.
+    _check_against_reference(paged, index_q, selection, topk=4, local_blocks=1, tolerance=1e-4)
 
 
 def test_two_local_blocks_and_wide_topk() -> None:

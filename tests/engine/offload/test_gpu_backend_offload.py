@@ -11,6 +11,9 @@ import os
 
 os.environ.setdefault("TRITON_INTERPRET", "1")  # before any kernel module is imported
 
+from dataclasses import replace
+
+import pytest
 import torch
 
 from m3stack.engine.attention.gpu import GpuAttentionBackend
@@ -37,17 +40,21 @@ def _poison(tensors) -> None:
             tensor.fill_(float("nan"))
 
 
-def test_offloaded_steps_equal_the_plain_backend():
+@pytest.mark.parametrize("index_dtype", [None, torch.float8_e4m3fn], ids=["index-as-cache", "fp8-index"])
+def test_offloaded_steps_equal_the_plain_backend(index_dtype: torch.dtype | None):
+    """With an fp8 k-index the raw index pages (keys and their scales) are what a spill moves between ids."""
+    spec = replace(SPEC, index_dtype=index_dtype)
     generator = torch.Generator().manual_seed(3)
-    tiered = allocate_tiered_kv_cache(SPEC, SIZES, torch.device("cpu"))
-    _poison([tiered.device_sparse, tiered.host_sparse, tiered.index_keys, tiered.dense_kv])
+    tiered = allocate_tiered_kv_cache(spec, SIZES, torch.device("cpu"))
+    index_views = (tiered.layers[1].index_key, tiered.layers[1].index_key_scale)
+    _poison([tiered.device_sparse, tiered.host_sparse, *index_views, tiered.dense_kv])
     manager = TieredKVCacheManager(SIZES, BLOCK, False, hot_blocks=HOT, keep_tail_blocks=LOCAL, max_requests=2)
     offload = DeviceOffload(tiered, manager, num_kv_heads=HKV, topk=TOPK, max_batch=2, max_requests=2,
                             device=torch.device("cpu"))  # fmt: skip
     offloaded = GpuAttentionBackend(tiered.layers, topk_blocks=TOPK, local_blocks=LOCAL, num_q_heads=HQ,
                                     offload=offload)  # fmt: skip
-    plain_caches = allocate_kv_cache(SPEC, 16, "cpu")
-    _poison(t for layer in plain_caches for t in (layer.key, layer.value, layer.index_key))
+    plain_caches = allocate_kv_cache(spec, 16, "cpu")
+    _poison(t for layer in plain_caches for t in (layer.key, layer.value, layer.index_key, layer.index_key_scale))
     plain = GpuAttentionBackend(plain_caches, topk_blocks=TOPK, local_blocks=LOCAL, num_q_heads=HQ)
     plain_pages = torch.arange(1, 16).view(1, 15)
 

@@ -11,9 +11,9 @@ import random
 
 import pytest
 
+from m3stack.engine.assembly.build import build_engine_core
+from m3stack.engine.assembly.config import EngineConfig
 from m3stack.engine.runtime import offline
-from m3stack.engine.runtime.builder import build_engine_core
-from m3stack.engine.runtime.config import EngineConfig
 from m3stack.engine.runtime.errors import InvalidRequestError
 from m3stack.engine.runtime.request import SamplingParams
 from m3stack.engine.runtime.validation import build_request
@@ -61,18 +61,27 @@ def test_offload_serves_a_context_beyond_the_device_with_the_same_tokens(tiny_mo
     kv = core.scheduler.kv
     assert kv.pool.num_free_blocks == kv.pool.num_usable_blocks and stats.host_blocks_used == 0
     assert stats.hot_buffers == 0
-    metrics = EngineMetrics()
+    metrics = EngineMetrics(core.info.served_model_name, core.info.max_model_len)
     metrics.on_stats(core.stats())
     sample = metrics.registry.get_sample_value
     assert sample("m3stack_engine_offload_spilled_blocks_total") == stats.spilled_blocks
     assert sample("m3stack_engine_offload_hot_buffer_misses_total") == stats.hot_misses
-    assert sample("m3stack_engine_kv_cache_usage_ratio", {"tier": "host"}) == 0.0
+    assert sample("m3stack_engine_offload_host_kv_cache_usage_perc") == 0.0
 
 
 def test_async_scheduling_without_prefix_caching_gives_the_same_tokens(tiny_model_dir, without_offload):
     core = _offload_core(tiny_model_dir, async_scheduling=True, enable_prefix_caching=False)
     assert _generate(core) == without_offload
     assert core.stats().offload.spilled_blocks > 0
+
+
+def test_offload_over_fp8_caches_gives_the_tokens_of_the_same_caches_without_offload(tiny_model_dir):
+    """``--index-dtype fp8_e4m3 --kv-cache-dtype fp8_e4m3``: spilled blocks' fp8 K/V go to the host pool, their raw
+    index pages (keys and scales) stay on the device under their host ids; the engine with offload serves the tokens
+    of the same fp8 engine without it."""
+    fp8 = {"index_dtype": "fp8_e4m3", "kv_cache_dtype": "fp8_e4m3"}
+    plain = _generate(build_engine_core(EngineConfig(model=str(tiny_model_dir), num_kv_blocks=40, **fp8)))
+    assert _generate(_offload_core(tiny_model_dir, **fp8)) == plain
 
 
 def test_bad_offload_settings_are_refused(tiny_model_dir):

@@ -3,8 +3,9 @@
 import pytest
 import torch
 
-from m3stack.engine.runtime.builder import build_engine_core, resolve_device, resolve_dtype
-from m3stack.engine.runtime.config import EngineConfig
+from m3stack.engine.assembly.build import build_engine_core
+from m3stack.engine.assembly.choices import resolve_device, resolve_dtype
+from m3stack.engine.assembly.config import EngineConfig
 
 
 def test_the_context_limit_defaults_to_the_kv_capacity_when_that_is_smaller(tiny_model_dir):

@@ -74,7 +74,7 @@ def test_image_prompt_matches_transformers_when_chunked(build_core, hf_model, ti
     pixels = torch.randn(24, info.patch_dim, generator=torch.Generator().manual_seed(5))
     prefix, suffix = _prompt(2, 20), _prompt(3, 40)
     prompt = [*prefix, *[info.image_token_id] * 6, *suffix]
-    spec = MultimodalSpec(Modality.IMAGE, "img-1", pixels, grid, ((20, 6),))
+    spec = MultimodalSpec(Modality.IMAGE, "img-1", pixels, (grid,), ((20, 6),))
     expected = _hf_greedy(hf_model, prompt, pixel_values=pixels, image_grid_thw=torch.tensor([grid]))
     for budget in (8, 23, 512):  # chunks that cut through the image's embeddings, and a whole prefill
         core = build_core(max_num_batched_tokens=budget)

@@ -5,9 +5,9 @@ import random
 import numpy as np
 import torch
 
+from m3stack.engine.kv_cache.manager import KVCacheManager
 from m3stack.engine.runtime.encoder_cache import EncoderCache
 from m3stack.engine.runtime.inputs import build_host_inputs, to_device
-from m3stack.engine.runtime.kv_cache_manager import KVCacheManager
 from m3stack.engine.runtime.request import SampledToken
 from m3stack.engine.runtime.scheduler import Scheduler, SchedulerConfig
 

@@ -10,9 +10,9 @@ import time
 import pytest
 import torch
 
+from m3stack.engine.kv_cache.manager import KVCacheManager
 from m3stack.engine.runtime.encoder_cache import EncoderCache
 from m3stack.engine.runtime.errors import QueueFullError
-from m3stack.engine.runtime.kv_cache_manager import KVCacheManager
 from m3stack.engine.runtime.request import FinishReason, RequestStatus, SampledToken, SamplingParams
 from m3stack.engine.runtime.scheduler import Scheduler, SchedulerConfig
 

@@ -4,11 +4,11 @@ get an ``InvalidRequestError`` that says what is wrong."""
 import numpy as np
 import pytest
 
-from m3stack.engine.proto import engine_pb2 as pb
-from m3stack.engine.runtime.config import ModelInfo
 from m3stack.engine.runtime.errors import InvalidRequestError
+from m3stack.engine.runtime.model_info import ModelInfo
 from m3stack.engine.runtime.request import SamplingParams
 from m3stack.engine.runtime.validation import build_request
+from m3stack.proto import engine_pb2 as pb
 
 INFO = ModelInfo(
     model_path="unit",

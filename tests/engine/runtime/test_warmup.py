@@ -7,7 +7,7 @@ import pytest
 
 from m3stack.engine.runtime.offline import generate
 from m3stack.engine.runtime.warmup import SPLIT_CONTEXT_BLOCKS, warm_up
-from tests.engine.runtime.conftest import make_request
+from tests.engine.conftest import make_request
 
 # The tiny model's blocks are 16 tokens: 512 blocks hold the long-context part (160 blocks, twice) with room.
 ROOMY = {"num_kv_blocks": 512, "max_model_len": 8192}

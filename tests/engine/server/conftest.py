@@ -8,14 +8,14 @@ from concurrent.futures import Future
 import grpc
 import pytest
 
-from m3stack.engine.proto import engine_pb2_grpc
-from m3stack.engine.runtime.builder import build_engine_core
-from m3stack.engine.runtime.config import EngineConfig
+from m3stack.engine.assembly.build import build_engine_core
+from m3stack.engine.assembly.config import EngineConfig
 from m3stack.engine.runtime.engine_core import EngineCore
 from m3stack.engine.server.async_engine import AsyncEngine
 from m3stack.engine.server.grpc_server import GrpcServer, GrpcSettings
 from m3stack.engine.server.http import ServingState, SidePortServer
 from m3stack.engine.server.metrics import EngineMetrics
+from m3stack.proto import engine_pb2_grpc
 
 LOOPBACK = "127.0.0.1"
 
@@ -29,7 +29,7 @@ class ServerThread:
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
         self.thread.start()
-        self.metrics = EngineMetrics()
+        self.metrics = EngineMetrics(core.info.served_model_name, core.info.max_model_len)
         self.engine = AsyncEngine(core, self.metrics)
         self.server: GrpcServer | None = None  # grpc.aio objects must be created on their event loop
         self.side_port = SidePortServer(ServingState(self.engine), self.metrics.registry, LOOPBACK, 0)

@@ -13,7 +13,7 @@ import grpc
 import numpy as np
 import pytest
 
-from m3stack.engine.proto import engine_pb2 as pb
+from m3stack.proto import engine_pb2 as pb
 
 GRID = (1, 4, 4)  # 16 patches -> 4 image tokens
 SHM = Path("/dev/shm")
@@ -31,6 +31,10 @@ def _pixels(info, dtype=np.float32, patches: int = 16) -> np.ndarray:
     return rng.standard_normal((patches, info.patch_dim)).astype(dtype)
 
 
+def _grids(*grids: tuple[int, int, int]) -> list[pb.VisionGrid]:
+    return [pb.VisionGrid(t=t, h=h, w=w) for t, h, w in grids]
+
+
 def _tensor(array: np.ndarray, dtype=pb.DTYPE_FLOAT32) -> pb.Tensor:
     return pb.Tensor(shape=list(array.shape), dtype=dtype, inline_data=array.tobytes())
 
@@ -40,7 +44,7 @@ def _image_request(info, request_id="img", *, item_changes=None, prompt=None) ->
     item = pb.MultimodalItem(
         modality=pb.MODALITY_IMAGE,
         pixel_values=_tensor(_pixels(info)),
-        grid_thw=list(GRID),
+        grids=_grids(GRID),
         placeholders=[pb.PlaceholderRange(offset=2, length=4)],
         content_hash=f"hash-{request_id}",
     )
@@ -48,9 +52,9 @@ def _image_request(info, request_id="img", *, item_changes=None, prompt=None) ->
         if key == "placeholders":
             del item.placeholders[:]
             item.placeholders.extend(pb.PlaceholderRange(offset=o, length=n) for o, n in value)
-        elif key in ("grid_thw",):
-            del item.grid_thw[:]
-            item.grid_thw.extend(value)
+        elif key == "grids":
+            del item.grids[:]
+            item.grids.extend(_grids(*value))
         elif key == "pixel_values":
             item.pixel_values.CopyFrom(value)
         else:
@@ -126,9 +130,12 @@ def _image_cases(info) -> list[tuple[dict, list[int] | None, str]]:
         ({"pixel_values": pb.Tensor(shape=[0, 3], dtype=pb.DTYPE_FLOAT32)}, None, "positive sizes"),
         ({"pixel_values": pb.Tensor(shape=[16, info.patch_dim], dtype=pb.DTYPE_FLOAT32)}, None, "no payload"),
         ({"pixel_values": _tensor(np.full((16, info.patch_dim), np.nan, np.float32))}, None, "NaN"),
-        ({"pixel_values": _tensor(raw[:8])}, None, "needs [16, 1176]"),
-        ({"grid_thw": [1, 4]}, None, "3 positive integers"),
-        ({"grid_thw": [1, 3, 4]}, None, "multiples of the merge size"),
+        ({"pixel_values": _tensor(raw[:8])}, None, "need [16, 1176]"),
+        ({"grids": []}, None, "grids is empty"),
+        ({"grids": [(0, 4, 4)]}, None, "grids[0] must be 3 positive integers"),
+        ({"grids": [(1, 3, 4)]}, None, "multiples of the merge size"),
+        ({"grids": [(1, 2, 4), (1, 2, 4)]}, None, "is an image: one grid with t = 1"),
+        ({"grids": [(2, 2, 4)]}, None, "is an image: one grid with t = 1"),
         ({"placeholders": [(2, 3)]}, None, "hold 3 image tokens"),
         ({"placeholders": [(6, 4)]}, None, "inside the 8-token prompt"),
         ({"placeholders": [(3, 2), (2, 2)]}, None, "sorted, disjoint"),
@@ -198,7 +205,7 @@ def test_an_image_and_a_video_in_one_prompt_and_their_prefix_cache_reuse(server,
     def item(modality, grid, offset, length, content_hash):
         patches = int(np.prod(grid))
         pixels = rng.integers(0, 256, (patches, info.patch_dim), dtype=np.uint8)
-        return pb.MultimodalItem(modality=modality, pixel_values=_tensor(pixels, pb.DTYPE_UINT8), grid_thw=grid,
+        return pb.MultimodalItem(modality=modality, pixel_values=_tensor(pixels, pb.DTYPE_UINT8), grids=_grids(grid),
                                  placeholders=[pb.PlaceholderRange(offset=offset, length=length)],
                                  content_hash=content_hash)  # fmt: skip
 
@@ -231,3 +238,41 @@ def test_an_image_and_a_video_in_one_prompt_and_their_prefix_cache_reuse(server,
     assert [t for r in responses if r.HasField("chunk") for t in r.chunk.token_ids] == first
     assert responses[-1].complete.cached_tokens == 48
     server.wait_idle()
+
+
+def _video_request(info, request_id: str, grids, placeholders) -> pb.GenerateRequest:
+    """Three temporal patches of 2x4 patches (2 video tokens each), each after its own timestamp-like text."""
+    video = info.video_token_id
+    prompt = [5, 6, 40, video, video, 41, video, video, 42, video, video, 7, 8]
+    pixels = np.random.default_rng(3).integers(0, 256, (3 * 8, info.patch_dim), dtype=np.uint8)
+    item = pb.MultimodalItem(
+        modality=pb.MODALITY_VIDEO,
+        pixel_values=_tensor(pixels, pb.DTYPE_UINT8),
+        grids=_grids(*grids),
+        placeholders=[pb.PlaceholderRange(offset=o, length=n) for o, n in placeholders],
+        content_hash=f"video-{request_id}",
+    )
+    sampling = pb.SamplingParams(temperature=0.0, max_new_tokens=3, ignore_eos=True)
+    return pb.GenerateRequest(request_id=request_id, input_ids=prompt, mm_items=[item], sampling=sampling)
+
+
+PER_FRAME_RANGES = [(3, 2), (6, 2), (9, 2)]
+
+
+def test_a_video_of_several_vision_segments_is_served(server, info):
+    # Segments of at most two temporal patches: (2, 2, 4) then (1, 2, 4), as a long video's grids arrive.
+    request = _video_request(info, "segments", [(2, 2, 4), (1, 2, 4)], PER_FRAME_RANGES)
+    responses = list(server.stub.Generate(request, timeout=60))
+    assert responses[-1].complete.completion_tokens == 3
+
+
+def test_video_grids_that_disagree_with_the_pixels_or_the_prompt_are_refused(server, bystander, info):
+    cases = [
+        ([(2, 2, 4), (2, 2, 4)], PER_FRAME_RANGES, "need [32, 1176]"),
+        ([(2, 2, 4), (1, 4, 2)], PER_FRAME_RANGES, "grids differ in h or w"),
+        # One range holding the first two frames' tokens and the third's: the first segment (one temporal patch)
+        # would end inside it.
+        ([(1, 2, 4), (2, 2, 4)], [(3, 5), (9, 2)], "grids[0] ends after 2 embeddings, inside a placeholder range"),
+    ]
+    for index, (grids, placeholders, phrase) in enumerate(cases):
+        _expect_invalid(server, _video_request(info, f"bad-video-{index}", grids, placeholders), phrase)

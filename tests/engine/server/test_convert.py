@@ -3,9 +3,9 @@
 import pytest
 import torch
 
-from m3stack.engine.proto import engine_pb2 as pb
 from m3stack.engine.runtime.request import FinishReason, RequestOutput, SamplingParams
 from m3stack.engine.server.convert import pixel_digest, responses_from_outputs, sampling_from_proto, tensor_from_proto
+from m3stack.proto import engine_pb2 as pb
 
 WIRE = {
     torch.uint8: pb.DTYPE_UINT8,

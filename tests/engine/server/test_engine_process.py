@@ -5,9 +5,9 @@ import threading
 
 import grpc
 
-from m3stack.engine.proto import engine_pb2 as pb
-from m3stack.engine.proto import engine_pb2_grpc
 from m3stack.local.processes import free_port, http_ok
+from m3stack.proto import engine_pb2 as pb
+from m3stack.proto import engine_pb2_grpc
 from tests.helpers.engine_process import LOOPBACK, start_engine_process, wait_engine_loaded
 
 

@@ -7,7 +7,7 @@ from collections import defaultdict
 
 import grpc
 
-from m3stack.engine.proto import engine_pb2 as pb
+from m3stack.proto import engine_pb2 as pb
 from tests.engine.server.test_grpc_server import _prompt, collect, generate_request
 
 _END = object()

@@ -10,7 +10,8 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from m3stack.engine.proto import engine_pb2 as pb
+from m3stack.proto import engine_pb2 as pb
+from tests.helpers.serving import scrape, total
 
 
 def generate_request(request_id: str, prompt: list[int], max_new_tokens: int = 8, **sampling) -> pb.GenerateRequest:
@@ -153,13 +154,13 @@ def test_loads_see_running_requests_and_metrics_see_latencies(server):
     assert loads.num_running == 1 and loads.kv_usage > 0 and loads.num_used_tokens >= 16
     stream.cancel()
     server.wait_idle()
-    text = urllib.request.urlopen(f"{server.metrics_url}/metrics", timeout=10).read().decode()
-    samples = {line.split(" ")[0]: float(line.split(" ")[1]) for line in text.splitlines() if line and line[0] != "#"}
-    assert samples["m3stack_engine_time_to_first_token_seconds_count"] >= 1
-    assert samples["m3stack_engine_inter_token_latency_seconds_count"] >= 1
-    assert samples['m3stack_engine_requests_finished_total{reason="abort"}'] >= 1
-    assert samples["m3stack_engine_prefix_cache_queries_tokens_total"] > 0
-    assert samples["m3stack_engine_requests_running"] == 0
+    samples = scrape(f"{server.metrics_url}/metrics")
+    labels = {"model_name": server.core.info.served_model_name, "engine": "0"}
+    assert total(samples, "vllm:time_to_first_token_seconds_count", **labels) >= 1
+    assert total(samples, "vllm:inter_token_latency_seconds_count", **labels) >= 1
+    assert total(samples, "vllm:request_success_total", finished_reason="abort", **labels) >= 1
+    assert total(samples, "vllm:prefix_cache_queries_total", **labels) > 0
+    assert samples[("vllm:num_requests_running", tuple(sorted(labels.items())))] == 0
     for probe in ("loaded", "ready", "health"):
         assert urllib.request.urlopen(f"{server.metrics_url}/{probe}", timeout=10).status == 200
 
@@ -184,7 +185,9 @@ def test_a_full_queue_answers_resource_exhausted(make_server):
 
 def test_drain_finishes_short_work_aborts_the_rest_and_refuses_new_requests(make_server):
     draining = make_server()
-    long_call = draining.stub.Generate(generate_request("long", _prompt(15, 20), max_new_tokens=480), timeout=60)
+    # Long enough to outlive the wait below and the drain on a loaded machine (480 tokens once finished inside
+    # the 2 s drain on CI while the short request's thread was slow to start: nothing left to abort).
+    long_call = draining.stub.Generate(generate_request("long", _prompt(15, 20), max_new_tokens=4000), timeout=60)
     next(long_call)
     short_result = []
     short = threading.Thread(

@@ -6,10 +6,17 @@ import socket
 import httpx
 import pytest
 
+from tests.helpers.serving import series, total
+
 pytestmark = pytest.mark.xdist_group("gateway_api")
 
-ABORTED = ("m3stack_engine_requests_finished_total", (("reason", "abort"),))
-RUNNING = ("m3stack_engine_requests_running", ())
+
+def aborted(engine) -> float:
+    return total(engine.metrics(), "vllm:request_success_total", finished_reason="abort")
+
+
+def running(engine) -> float:
+    return total(engine.metrics(), "vllm:num_requests_running")
 
 
 def long_request(model_name: str, stream: bool) -> bytes:
@@ -17,12 +24,14 @@ def long_request(model_name: str, stream: bool) -> bytes:
     return json.dumps(body).encode()
 
 
-def gateway_inflight(gateway, engine) -> float:
-    return gateway.metrics()[("m3stack_gateway_engine_inflight_requests", (("engine", engine.address),))]
+def gateway_inflight(gateway, engine, model_name: str) -> float:
+    return series(
+        gateway.metrics(), "m3stack_gateway_engine_inflight_requests", engine=engine.address, model_name=model_name
+    )
 
 
 def test_closing_a_stream_aborts_the_engine_request(gateway, engine, model_name, wait_until):
-    aborted_before = engine.metrics().get(ABORTED, 0.0)
+    aborted_before = aborted(engine)
     headers = {"Content-Type": "application/json"}
     with (
         httpx.Client(timeout=60) as http,
@@ -35,22 +44,26 @@ def test_closing_a_stream_aborts_the_engine_request(gateway, engine, model_name,
         received = [line for line, _ in zip(lines, range(6), strict=False) if line.startswith("data: {")]
         assert received
     # The connection is closed here, long before 240 tokens.
-    wait_until(lambda: engine.metrics().get(ABORTED, 0.0) == aborted_before + 1, 30, "the engine to abort")
-    wait_until(lambda: engine.metrics()[RUNNING] == 0 and gateway_inflight(gateway, engine) == 0, 30, "no request left")
+    wait_until(lambda: aborted(engine) == aborted_before + 1, 30, "the engine to abort")
+    wait_until(
+        lambda: running(engine) == 0 and gateway_inflight(gateway, engine, model_name) == 0, 30, "no request left"
+    )
     reasons = gateway.metrics()
-    assert reasons[("m3stack_gateway_engine_aborts_total", (("reason", "client_disconnected"),))] >= 1
+    assert (
+        series(reasons, "m3stack_gateway_engine_aborts_total", reason="client_disconnected", model_name=model_name) >= 1
+    )
 
 
 def test_leaving_a_non_streamed_request_aborts_it_too(gateway, engine, model_name, wait_until):
     """The client hangs up as soon as its request runs on the engine (a raw socket: an HTTP client's read
     timeout left too late on a fast machine, after the engine had finished the 240 tokens)."""
-    aborted_before = engine.metrics().get(ABORTED, 0.0)
+    aborted_before = aborted(engine)
     url = httpx.URL(gateway.base_url)
     body = long_request(model_name, False)
     head = (f"POST /v1/completions HTTP/1.1\r\nHost: {url.host}:{url.port}\r\nContent-Type: application/json\r\n"
             f"Content-Length: {len(body)}\r\n\r\n")  # fmt: skip
     with socket.create_connection((url.host, url.port), timeout=30) as client:
         client.sendall(head.encode() + body)
-        wait_until(lambda: gateway_inflight(gateway, engine) == 1, 30, "the request to reach the engine")
-    wait_until(lambda: engine.metrics().get(ABORTED, 0.0) == aborted_before + 1, 30, "the engine to abort")
-    wait_until(lambda: gateway_inflight(gateway, engine) == 0, 30, "the gateway to let go")
+        wait_until(lambda: gateway_inflight(gateway, engine, model_name) == 1, 30, "the request to reach the engine")
+    wait_until(lambda: aborted(engine) == aborted_before + 1, 30, "the engine to abort")
+    wait_until(lambda: gateway_inflight(gateway, engine, model_name) == 0, 30, "the gateway to let go")

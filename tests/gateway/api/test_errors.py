@@ -67,14 +67,25 @@ def test_unknown_model_is_a_404(client):
         ({"max_tokens": 0}, "max_tokens"),
         ({"seed": 2**70}, "seed"),
         ({"messages": []}, "messages"),
-        ({"messages": [{"role": "wizard", "content": "x"}]}, "messages.0.role"),
+        ({"messages": [{"role": "wizard", "content": "x"}]}, "messages[0].role"),
         ({"top_logprobs": 3}, "top_logprobs"),
         ({"stop": ""}, "stop"),
         ({"stop_token_ids": [10**6]}, "stop_token_ids"),
-        ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
-        ({"presence_penalty": 1.0}, "presence_penalty"),
-        ({"logit_bias": {"1": 5}}, "logit_bias"),
-        ({"response_format": {"type": "json_object"}}, "response_format"),
+        ({"tools": [{"type": "function", "function": {"name": "no spaces"}}]}, "tools[0].function.name"),
+        ({"tool_choice": "required"}, "tool_choice"),
+        ({"presence_penalty": 2.5}, "presence_penalty"),
+        ({"frequency_penalty": -2.5}, "frequency_penalty"),
+        ({"repetition_penalty": 0}, "repetition_penalty"),
+        # Positive, but 0 as the float32 the engines receive: the gateway refuses it, not the engine.
+        ({"top_p": 1e-300}, "top_p"),
+        ({"repetition_penalty": 1e-300}, "repetition_penalty"),
+        ({"logit_bias": {"1": 100.5}}, "logit_bias"),
+        ({"logit_bias": {"one": 5}}, "logit_bias"),
+        ({"logit_bias": {"1000000": 5}}, "logit_bias"),
+        (
+            {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"not": {}}}}},
+            "response_format.json_schema.schema",
+        ),
         ({"min_tokens": 10, "max_tokens": 5}, "min_tokens"),
     ],
 )
@@ -85,7 +96,6 @@ def test_invalid_parameters_are_a_400_naming_the_field(gateway, model_name, over
 
 def test_unsupported_completion_options_are_a_400(gateway, model_name):
     for override, param in (
-        ({"echo": True, "logprobs": 2}, "echo"),
         ({"suffix": "x"}, "suffix"),
         ({"best_of": 3}, "best_of"),
     ):

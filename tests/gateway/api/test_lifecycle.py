@@ -5,6 +5,8 @@ import signal
 
 import pytest
 
+from tests.helpers.serving import series
+
 pytestmark = pytest.mark.xdist_group("gateway_api")
 
 
@@ -14,7 +16,7 @@ def test_dns_discovery_finds_the_engine(stack, engine, model_name):
     gateway = stack.gateway(None, "--engine-service", f"localhost:{port}", "--media-workers", "0")
     response = gateway.client().completions.create(model=model_name, prompt="Hi", max_tokens=2)
     assert response.usage.completion_tokens >= 1
-    assert ("m3stack_gateway_engine_ready", (("engine", engine.address),)) in gateway.metrics()
+    assert series(gateway.metrics(), "m3stack_gateway_engine_ready", engine=engine.address, model_name=model_name) == 1
 
 
 def test_sigterm_lets_open_streams_finish(stack, engine, model_name, wait_until):

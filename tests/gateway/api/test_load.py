@@ -7,6 +7,8 @@ import httpx
 import openai
 import pytest
 
+from tests.helpers.serving import parse_samples, total
+
 pytestmark = pytest.mark.xdist_group("gateway_api")
 
 STREAMS = 64
@@ -38,12 +40,10 @@ async def one_stream(client: openai.AsyncOpenAI, model: str, index: int) -> tupl
 
 async def peak_inflight(gateway, engine, stop: asyncio.Event) -> float:
     peak = 0.0
-    key = f'm3stack_gateway_engine_inflight_requests{{engine="{engine.address}"}}'
     async with httpx.AsyncClient() as http:
         while not stop.is_set():
-            for line in (await http.get(f"{gateway.base_url}/metrics")).text.splitlines():
-                if line.startswith(key):
-                    peak = max(peak, float(line.split()[-1]))
+            samples = parse_samples((await http.get(f"{gateway.base_url}/metrics")).text)
+            peak = max(peak, total(samples, "m3stack_gateway_engine_inflight_requests", engine=engine.address))
             await asyncio.sleep(0.05)
     return peak
 

@@ -4,16 +4,21 @@ exact bytes ``json.dumps`` gives for the chunk, and chat chunks must parse as th
 
 import json
 import random
+import re
 
 import pytest
 from openai.types.chat import ChatCompletionChunk
 
-from m3stack.gateway.api.render import ChunkRenderer, ResponseMeta
+from m3stack.gateway.api.render import ChunkRenderer, ResponseMeta, error_event
 from m3stack.gateway.generation.choice import ChoiceDelta, TokenLogprob
+from m3stack.gateway.generation.run import Usage
+
+# Every character str.splitlines() ends a line at, found by asking it (not from a list).
+SPLITLINES_BREAKS = [chr(c) for c in range(0x110000) if len(f"a{chr(c)}b".splitlines()) == 2]
 
 # Characters JSON must escape or that are easy to get wrong: quotes, backslashes, control characters,
 # the line separators JavaScript treats as newlines, non-ASCII and astral characters.
-TRICKY = ['"', "\\", "\n", "\r", "\t", "\x00", "\x1f", "\x7f", "\u2028", "\u2029", "é", "漢", "🙂", "/", "</script>"]
+TRICKY = ['"', "\\", "\r", "\t", "\x00", "\x1f", "\x7f", "é", "漢", "🙂", "/", "</script>", *SPLITLINES_BREAKS]
 
 
 def random_text(rng: random.Random) -> str:
@@ -41,7 +46,13 @@ def expected_event(kind: str, meta: ResponseMeta, delta: ChoiceDelta, logprobs: 
     }
     if include_usage:
         chunk["usage"] = None
-    return b"data: " + json.dumps(chunk, ensure_ascii=False, separators=(",", ":")).encode() + b"\n\n"
+    return b"data: " + escape_line_breaks(json.dumps(chunk, ensure_ascii=False, separators=(",", ":"))) + b"\n\n"
+
+
+def escape_line_breaks(dumped: str) -> bytes:
+    """JSON text with every splitlines() break that it holds raw written as a \\u escape (the same JSON)."""
+    breaks = "[" + "".join(SPLITLINES_BREAKS) + "]"
+    return re.sub(breaks, lambda match: f"\\u{ord(match.group()):04x}", dumped).encode()
 
 
 def token_text(token_id: int) -> str:
@@ -93,3 +104,47 @@ def test_a_chunk_with_logprobs_is_exactly_what_json_dumps_writes(kind):
             "text_offset": [0, len(token_text(5))],
         }
     assert renderer.delta(delta) == expected_event(kind, meta, delta, logprobs, True)
+
+
+@pytest.mark.parametrize("kind", ["chat", "completion"])
+def test_every_splitlines_break_is_escaped_in_the_event_bytes(kind):
+    assert SPLITLINES_BREAKS == ["\n", "\x0b", "\x0c", "\r", "\x1c", "\x1d", "\x1e", "\x85", "\u2028", "\u2029"]
+    breaks = "".join(SPLITLINES_BREAKS)
+    texts = [f"a{char}b{char}" for char in SPLITLINES_BREAKS]
+    meta = ResponseMeta(f"cmpl-{breaks}", f"m3{breaks}", 1, token_text, False)
+    renderer = ChunkRenderer(kind, meta, True, num_choices=len(texts), echo_texts=texts)
+    stream = renderer.opening(len(texts)) if kind == "completion" else b""
+    stream += b"".join(
+        renderer.delta(ChoiceDelta(i, text, 1, "stop", stop_reason=text)) for i, text in enumerate(texts)
+    )
+    stream += renderer.usage(Usage(prompt_tokens=3, completion_tokens=4, cached_tokens=0))
+    stream += error_event({"error": {"message": breaks, "type": "x"}})
+    between_events = stream.replace(b"\n\ndata: ", b"").removesuffix(b"\n\n")
+    for char in SPLITLINES_BREAKS:
+        assert char.encode() not in between_events, f"U+{ord(char):04X} is raw in the events"
+    # A client splitting the body with str.splitlines() gets every event whole, on one line.
+    lines = [line for line in stream.decode().splitlines() if line]
+    assert all(line.startswith("data: ") for line in lines)
+    payloads = [json.loads(line.removeprefix("data: ")) for line in lines]
+    choices = [payload["choices"][0] for payload in payloads if payload.get("choices")]
+    echoed = texts if kind == "completion" else []
+    assert [choice["text"] if kind == "completion" else choice["delta"]["content"] for choice in choices] == [
+        *echoed,
+        *texts,
+    ]
+    assert payloads[-2]["model"] == meta.model and payloads[-2]["usage"]["total_tokens"] == 7
+    assert payloads[-1]["error"]["message"] == breaks
+
+
+def test_streamed_reasoning_goes_under_both_names():
+    """reasoning_content (what the reference stacks' clients read) and reasoning (vLLM's name now), the same text;
+    content only when there is some."""
+    meta = ResponseMeta("chatcmpl-1", "m3", 1, token_text, False)
+    renderer = ChunkRenderer("chat", meta, False, num_choices=1)
+    thought = 'a "plan"\u2028 🙂'
+    payload = json.loads(renderer.delta(ChoiceDelta(0, "", 1, reasoning=thought)).removeprefix(b"data: "))
+    assert payload["choices"][0]["delta"] == {"reasoning_content": thought, "reasoning": thought}
+    delta = ChatCompletionChunk.model_validate(payload).choices[0].delta
+    assert delta.model_extra == {"reasoning_content": thought, "reasoning": thought} and delta.content is None
+    both = json.loads(renderer.delta(ChoiceDelta(0, "x", 1, reasoning="y")).removeprefix(b"data: "))
+    assert both["choices"][0]["delta"] == {"content": "x", "reasoning_content": "y", "reasoning": "y"}

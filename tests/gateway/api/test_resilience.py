@@ -3,7 +3,7 @@ error event (no hang), the others finish, and new requests move to the survivor.
 
 import pytest
 
-from tests.helpers.serving import StreamRunner
+from tests.helpers.serving import StreamRunner, series, total
 
 pytestmark = pytest.mark.xdist_group("gateway_api")
 
@@ -23,7 +23,7 @@ def pair(stack, engine):
 
 
 def prompt_tokens(engine) -> float:
-    return engine.metrics().get(("m3stack_engine_prompt_tokens_total", ()), 0.0)
+    return total(engine.metrics(), "vllm:prompt_tokens_total")
 
 
 def test_prefix_aware_routing_keeps_a_shared_prefix_on_one_engine(stack, pair, model_name):
@@ -43,7 +43,7 @@ def test_prefix_aware_routing_keeps_a_shared_prefix_on_one_engine(stack, pair, m
 
 
 def inflight(gateway, engine) -> float:
-    return gateway.metrics().get(("m3stack_gateway_engine_inflight_requests", (("engine", engine.address),)), 0.0)
+    return total(gateway.metrics(), "m3stack_gateway_engine_inflight_requests", engine=engine.address)
 
 
 def test_traffic_spreads_then_survives_a_killed_engine(pair, model_name, wait_until):
@@ -69,7 +69,9 @@ def test_traffic_spreads_then_survives_a_killed_engine(pair, model_name, wait_un
     # New requests land on the survivor: those that try the dead engine first are retried before any
     # token, until its breaker opens and it is skipped.
     def breaker_state() -> float:
-        return gateway.metrics()[("m3stack_gateway_engine_breaker_state", (("engine", first.address),))]
+        return series(
+            gateway.metrics(), "m3stack_gateway_engine_breaker_state", engine=first.address, model_name=model_name
+        )
 
     for _ in range(20):
         response = client.completions.create(
@@ -80,5 +82,5 @@ def test_traffic_spreads_then_survives_a_killed_engine(pair, model_name, wait_un
             break
     metrics = gateway.metrics()
     assert breaker_state() == 2, "the breaker of the dead engine is open"
-    assert metrics[("m3stack_gateway_engine_retries_total", ())] >= 1
-    assert metrics[("m3stack_gateway_engine_inflight_requests", (("engine", first.address),))] == 0
+    assert series(metrics, "m3stack_gateway_engine_retries_total", model_name=model_name) >= 1
+    assert series(metrics, "m3stack_gateway_engine_inflight_requests", engine=first.address, model_name=model_name) == 0

@@ -4,7 +4,7 @@ them into chunks (one token per chunk takes the decoder's short path, several th
 import random
 import secrets
 
-from m3stack.engine.proto import engine_pb2
+from m3stack.gateway.engine_client.events import Completion, TokenChunk
 from m3stack.gateway.generation.choice import ChoiceDecoder
 
 
@@ -13,20 +13,12 @@ def decode_stream(tokenizer, prompt, ids, sizes, stop_strings=(), logprobs=None)
     deltas, position = [], 0
     for size in sizes:
         chunk_ids = ids[position : position + size]
-        chunk = engine_pb2.GenerateChunk(token_ids=chunk_ids, cached_tokens=7)
-        if logprobs is not None:
-            chunk.logprobs.extend(logprobs[position : position + size])
+        chunk_logprobs = logprobs[position : position + size] if logprobs is not None else ()
         position += size
-        deltas.append(decoder.on_response(engine_pb2.GenerateResponse(request_id="r", chunk=chunk)))
+        deltas.append(decoder.on_event(TokenChunk(chunk_ids, cached_tokens=7, logprobs=chunk_logprobs)))
         if decoder.finished:
             return decoder, deltas
-    complete = engine_pb2.GenerateComplete(
-        finish_reason=engine_pb2.FINISH_REASON_LENGTH,
-        prompt_tokens=len(prompt),
-        completion_tokens=len(ids),
-        cached_tokens=7,
-    )
-    deltas.append(decoder.on_response(engine_pb2.GenerateResponse(request_id="r", complete=complete)))
+    deltas.append(decoder.on_event(Completion("length", completion_tokens=len(ids), cached_tokens=7)))
     return decoder, deltas
 
 

@@ -10,12 +10,14 @@ import numpy as np
 import pytest
 import torch
 
-from m3stack.engine.proto import engine_pb2
+from m3stack.engine.server.convert import mm_items_from_proto
+from m3stack.gateway.engine_client import wire
 from m3stack.gateway.multimodal import (
     MediaError,
     MediaLimits,
     MediaPart,
     MediaPipeline,
+    PlacedItem,
     PlaceholderSpan,
     Transport,
     WireDType,
@@ -28,10 +30,10 @@ from m3stack.gateway.multimodal.transport import (
     SHM_DIR,
     map_segment,
     new_segment_name,
-    tensor_payload,
     unlink_segment,
     write_segment,
 )
+from m3stack.proto import engine_pb2
 
 from .conftest import (
     data_url,
@@ -107,9 +109,10 @@ def test_image_and_video_equal_the_reference(runner, make_pipeline, image_bytes,
     np.testing.assert_array_equal(video.patches(), raw_video["pixel_values_videos"])
     assert [list(g) for g in video.plan.grids] == raw_video["video_grid_thw"].tolist()
 
-    proto = video.to_proto(pipeline.transport, [PlaceholderSpan(5, 3), PlaceholderSpan(12, 3)])
+    (placed,) = pipeline.place([video], [[PlaceholderSpan(5, 3), PlaceholderSpan(12, 3)]])
+    proto = wire.multimodal_item(placed)
     assert proto.modality == engine_pb2.MODALITY_VIDEO
-    assert list(proto.grid_thw) == [v for g in raw_video["video_grid_thw"].tolist() for v in g]
+    assert [[g.t, g.h, g.w] for g in proto.grids] == raw_video["video_grid_thw"].tolist()
     assert proto.pixel_values.dtype == engine_pb2.DTYPE_UINT8
     assert list(proto.pixel_values.shape) == list(video.shape)
     assert proto.pixel_values.inline_data == video.payload
@@ -129,11 +132,12 @@ def test_repeated_media_comes_from_the_cache(runner, make_pipeline, image_bytes)
 def test_shared_memory_transport_hands_the_segment_to_the_engine(runner, make_pipeline, image_bytes):
     pipeline = make_pipeline()
     (item,) = runner.run(pipeline.process_media([MediaPart("image", data_url(image_bytes, "image/jpeg"))]))
-    proto = item.to_proto(Transport(shm_threshold_bytes=1024))
+    proto = wire.multimodal_item(PlacedItem(item, (), Transport(shm_threshold_bytes=1024)))
     assert proto.pixel_values.WhichOneof("payload") == "shm"
     name = proto.pixel_values.shm.name
     assert (SHM_DIR / name).exists() and proto.pixel_values.shm.nbytes == len(item.payload)
-    assert tensor_payload(proto.pixel_values) == item.payload  # what the engine does: read, then unlink
+    (received,) = mm_items_from_proto([proto], max_tensor_bytes=1 << 30)  # the engine: read, then unlink
+    assert received.pixel_values.numpy().tobytes() == item.payload
     assert not (SHM_DIR / name).exists()
 
 
@@ -190,7 +194,7 @@ def test_bad_media_is_a_400_and_the_pipeline_keeps_serving(case, runner, make_pi
         ({}, 100, "context_length_exceeded", "leaves room for 100"),
         ({"max_sampled_frames": 3}, None, "media_too_large", "sampling would take 4 frames"),
         ({"max_video_pixels": 4 * 96 * 160 - 1}, None, "media_too_large", "4 sampled frames of 160x96"),
-        ({"max_video_frames": 50}, None, "media_too_large", "more than 50 frames"),
+        ({"max_video_frames": 50}, None, "media_too_large", "more frames than the limit of 50"),
         ({"max_video_frame_pixels": 1000}, None, "media_too_large", "frames of 160x96"),
         ({"max_image_bytes": 1000}, None, "media_too_large", "more than the limit of 1000 bytes"),
     ],

@@ -7,8 +7,8 @@ import pytest
 
 from m3stack.gateway.multimodal import m3, qwen2_vl
 from m3stack.gateway.multimodal import video as video_codec
+from m3stack.gateway.multimodal.registry import ProfileRegistry, load_profile
 from m3stack.gateway.multimodal.resize import ResizeBackend
-from m3stack.gateway.multimodal.spec import ProfileRegistry, load_profile
 
 from .conftest import reference_decode_video
 from .media_factory import encode_video, natural_rgb

@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import base64
 import contextlib
+import dataclasses
 import json
 import logging
 import os
@@ -45,17 +46,38 @@ NODES_MANIFEST = INFRA_DIR / "nodes.yaml"
 STAGES_DIR = INFRA_DIR / "stages"
 STATE_FILE = "state.json"
 CONTEXT = "m3stack-test"
-# Components in start order; stopping goes in reverse.
+# Components in start order; stopping goes in reverse.  kwok runs only with fake nodes.
 COMPONENTS = ("etcd", "kube-apiserver", "kube-controller-manager", "kube-scheduler", "kwok")
-# Fake addresses, written into API objects only: Services get ClusterIPs from the first, pods get
-# IPs from the second (EndpointSlices refuse loopback pod IPs).  Nothing listens there, and since
-# they are not loopback, NOTHING may ever connect to them: pods are not processes.  Nodes report
-# 127.0.0.1, and the API server reaches "kubelets" by that address only, so `kubectl logs` and
-# friends fail on loopback instead of sending traffic off the machine.
-SERVICE_CIDR = "10.96.0.0/16"
-POD_CIDR = "10.244.0.0/16"
-NODE_IP = "127.0.0.1"
 STOP_GRACE_S = 10.0
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Where a control plane listens, the address ranges it hands out, and what kind of nodes it has."""
+
+    address: str  # the API server binds and advertises here
+    service_cidr: str
+    kubernetes_service_ip: str  # the `kubernetes` Service's ClusterIP, in the serving certificate
+    pod_cidr: str
+    # Real kubelets (tests/k8s/infra/realnode.py) instead of kwok's fakes: the Node authorizer and
+    # NodeRestriction, the API server's client certificate for kubelets, node CIDRs allocated, the
+    # `kubernetes` Endpoints kept on the advertised address.
+    real_nodes: bool = False
+
+    @property
+    def components(self) -> tuple[str, ...]:
+        return COMPONENTS[:-1] if self.real_nodes else COMPONENTS
+
+
+# The fake nodes' layout.  The addresses are written into API objects only: Services get ClusterIPs
+# from the first range, pods get IPs from the second (EndpointSlices refuse loopback pod IPs).
+# Nothing listens there, and since they are not loopback, NOTHING may ever connect to them: pods
+# are not processes.  Nodes report 127.0.0.1, and the API server reaches "kubelets" by that address
+# only, so `kubectl logs` and friends fail on loopback instead of sending traffic off the machine.
+FAKE_NODES = Layout(
+    address="127.0.0.1", service_cidr="10.96.0.0/16", kubernetes_service_ip="10.96.0.1", pod_cidr="10.244.0.0/16"
+)
+NODE_IP = "127.0.0.1"
 
 
 class ControlPlaneError(RuntimeError):
@@ -71,6 +93,7 @@ class ControlPlane:
     share_dir: Path
     server: str
     processes: dict[str, ProcessId]
+    layout: Layout = FAKE_NODES
 
     @property
     def pids(self) -> dict[str, int]:
@@ -180,27 +203,34 @@ def _issue_certificate(pki: Path, name: str, subject: str, extensions: str) -> N
     )  # fmt: skip
 
 
-def generate_pki(pki: Path) -> None:
+def issue_certificate(pki: Path, name: str, subject: str, *, server_names: Sequence[str] = (), client: bool) -> None:
+    """A certificate signed by pki/ca.crt: for clients (subject /O=group/CN=user) or for serving
+    (server_names: "DNS:name" and "IP:address" entries)."""
+    extensions = f"subjectAltName={','.join(server_names)}\n" if server_names else ""
+    extensions += f"extendedKeyUsage={'clientAuth' if client else 'serverAuth'}\nkeyUsage=critical,digitalSignature\n"
+    _issue_certificate(pki, name, subject, extensions)
+
+
+def generate_pki(pki: Path, layout: Layout = FAKE_NODES) -> None:
     """A throwaway CA, the API server's serving certificate, an admin client certificate in
-    system:masters, and the service-account token signing key pair."""
+    system:masters, and the service-account token signing key pair (plus, for real nodes, the API
+    server's client certificate for kubelets)."""
     pki.mkdir(parents=True)
     _openssl(
         "req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes", "-days", "30",
         "-subj", "/CN=m3stack-test-ca", "-addext", "basicConstraints=critical,CA:TRUE",
         "-addext", "keyUsage=critical,keyCertSign,cRLSign", "-keyout", "ca.key", "-out", "ca.crt", cwd=pki,
     )  # fmt: skip
-    service_names = ",".join(
-        f"DNS:{name}" for name in ("localhost", "kubernetes", "kubernetes.default", "kubernetes.default.svc")
-    )
-    _issue_certificate(
-        pki, "apiserver", "/CN=kube-apiserver",
-        f"subjectAltName={service_names},DNS:kubernetes.default.svc.cluster.local,IP:127.0.0.1,IP:10.96.0.1\nextendedKeyUsage=serverAuth\n"
-        "keyUsage=critical,digitalSignature\n",
-    )  # fmt: skip
-    _issue_certificate(
-        pki, "admin", "/O=system:masters/CN=m3stack-test-admin",
-        "extendedKeyUsage=clientAuth\nkeyUsage=critical,digitalSignature\n",
-    )  # fmt: skip
+    kubernetes_names = ["kubernetes", "kubernetes.default", "kubernetes.default.svc"]
+    kubernetes_names.append("kubernetes.default.svc.cluster.local")
+    addresses = sorted({"127.0.0.1", layout.address, layout.kubernetes_service_ip})
+    server_names = [f"DNS:{name}" for name in ("localhost", *kubernetes_names)] + [f"IP:{a}" for a in addresses]
+    issue_certificate(pki, "apiserver", "/CN=kube-apiserver", server_names=server_names, client=False)
+    issue_certificate(pki, "admin", "/O=system:masters/CN=m3stack-test-admin", client=True)
+    if layout.real_nodes:
+        # The API server's identity towards kubelets (logs, exec, port-forward), which ask the API server
+        # whether it may; in system:masters as kubeadm's apiserver-kubelet-client certificate was.
+        issue_certificate(pki, "apiserver-kubelet-client", "/O=system:masters/CN=kube-apiserver", client=True)
     _openssl("ecparam", "-name", "prime256v1", "-genkey", "-noout", "-out", "sa.key", cwd=pki)
     _openssl("ec", "-in", "sa.key", "-pubout", "-out", "sa.pub", cwd=pki)
 
@@ -223,26 +253,36 @@ def _write_kubeconfig(path: Path, server: str, ca: Path, user: dict[str, str]) -
     path.chmod(0o600)
 
 
+def write_client_kubeconfig(path: Path, server: str, pki: Path, certificate: str) -> None:
+    """A kubeconfig that authenticates with pki/<certificate>.crt and .key (see issue_certificate)."""
+    user = {
+        "client-certificate-data": _b64(pki / f"{certificate}.crt"),
+        "client-key-data": _b64(pki / f"{certificate}.key"),
+    }
+    _write_kubeconfig(path, server, pki / "ca.crt", user)
+
+
 # ---------------------------------------------------------------------------------------------
 # Processes
 
 
-def free_port() -> int:
-    """A loopback TCP port free right now (the kernel's choice)."""
+def free_port(address: str = "127.0.0.1") -> int:
+    """A TCP port free on address right now (the kernel's choice)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
+        sock.bind((address, 0))
         return sock.getsockname()[1]
 
 
-def _log_tails(run_dir: Path, lines: int = 25) -> str:
+def log_tails(run_dir: Path, lines: int = 25) -> str:
+    """The last lines of every run_dir/logs/*.log, for error messages."""
     parts = []
-    for path in sorted((run_dir / "logs").glob("*.log")):
+    for path in sorted((run_dir / "logs").glob("*.log")) if (run_dir / "logs").exists() else []:
         tail = path.read_text(errors="replace").splitlines()[-lines:]
         parts.append(f"--- {path.name} (last {len(tail)} lines)\n" + "\n".join(tail))
     return "\n".join(parts)
 
 
-def _wait_until(
+def wait_until(
     what: str, ready: Callable[[], bool], timeout_s: float, run_dir: Path, processes: dict[str, ProcessId]
 ) -> None:
     """Polls ready() until it is true; fails early with the logs when a component has exited."""
@@ -252,9 +292,9 @@ def _wait_until(
             return
         dead = [name for name, process in processes.items() if not process.alive()]
         if dead:
-            raise ControlPlaneError(f"{', '.join(dead)} exited while waiting for {what}\n{_log_tails(run_dir)}")
+            raise ControlPlaneError(f"{', '.join(dead)} exited while waiting for {what}\n{log_tails(run_dir)}")
         time.sleep(0.25)
-    raise ControlPlaneError(f"timed out after {timeout_s:.0f}s waiting for {what}\n{_log_tails(run_dir)}")
+    raise ControlPlaneError(f"timed out after {timeout_s:.0f}s waiting for {what}\n{log_tails(run_dir)}")
 
 
 def _http_ok(url: str, context: ssl.SSLContext | None = None) -> bool:
@@ -280,16 +320,17 @@ def _admin_tls(pki: Path) -> ssl.SSLContext:
 START_ATTEMPTS = 3
 
 
-def start(run_dir: Path, binaries: Path, timeout_s: float = 120.0) -> ControlPlane:
+def start(run_dir: Path, binaries: Path, timeout_s: float = 120.0, layout: Layout = FAKE_NODES) -> ControlPlane:
     """Starts a control plane in run_dir (created; must not exist) from the built folder
-    `binaries` (see binaries_dir) and waits until its fake nodes are Ready.  On any failure it
-    stops what it started and raises ControlPlaneError with the components' logs."""
+    `binaries` (see binaries_dir) and waits until its fake nodes are Ready (with real nodes: until
+    it serves; the nodes join later).  On any failure it stops what it started and raises
+    ControlPlaneError with the components' logs."""
     for attempt in range(1, START_ATTEMPTS + 1):
         run_dir.mkdir(parents=True)
         (run_dir / "logs").mkdir()
         processes: dict[str, ProcessId] = {}
         try:
-            plane = _start_components(run_dir, binaries / "bin", binaries / "share", processes, timeout_s)
+            plane = _start_components(run_dir, binaries / "bin", binaries / "share", processes, timeout_s, layout)
         except ControlPlaneError as error:
             stop(run_dir, remove=False)  # every launch was recorded, so this stops exactly those
             if "address already in use" not in str(error) or attempt == START_ATTEMPTS:
@@ -306,40 +347,36 @@ def start(run_dir: Path, binaries: Path, timeout_s: float = 120.0) -> ControlPla
 
 
 def _record(
-    run_dir: Path, bin_dir: Path, share_dir: Path, server: str, processes: dict[str, ProcessId]
+    run_dir: Path, bin_dir: Path, share_dir: Path, server: str, processes: dict[str, ProcessId], layout: Layout
 ) -> ControlPlane:
     """Writes state.json after every launch, so a failure at any point can stop what runs."""
-    plane = ControlPlane(run_dir, bin_dir, share_dir, server, dict(processes))
+    plane = ControlPlane(run_dir, bin_dir, share_dir, server, dict(processes), layout)
     state = {
         "run_dir": str(run_dir),
         "bin_dir": str(bin_dir),
         "share_dir": str(share_dir),
         "server": server,
         "processes": {name: process.to_json() for name, process in processes.items()},
+        "layout": dataclasses.asdict(layout),
     }
     (run_dir / STATE_FILE).write_text(json.dumps(state, indent=2) + "\n")
     return plane
 
 
 def _start_components(
-    run_dir: Path, bin_dir: Path, share_dir: Path, processes: dict[str, ProcessId], timeout_s: float
+    run_dir: Path, bin_dir: Path, share_dir: Path, processes: dict[str, ProcessId], timeout_s: float, layout: Layout
 ) -> ControlPlane:
     pki = run_dir / "pki"
-    generate_pki(pki)
-    etcd_port, etcd_peer_port, apiserver_port = free_port(), free_port(), free_port()
+    generate_pki(pki, layout)
+    etcd_port, etcd_peer_port, apiserver_port = free_port(), free_port(), free_port(layout.address)
     etcd_url = f"http://127.0.0.1:{etcd_port}"
-    server = f"https://127.0.0.1:{apiserver_port}"
+    server = f"https://{layout.address}:{apiserver_port}"
     kubeconfig = run_dir / "admin.kubeconfig"
-    _write_kubeconfig(
-        kubeconfig,
-        server,
-        pki / "ca.crt",
-        {"client-certificate-data": _b64(pki / "admin.crt"), "client-key-data": _b64(pki / "admin.key")},
-    )
+    write_client_kubeconfig(kubeconfig, server, pki, "admin")
 
     def start_component(name: str, *args: str) -> None:
         processes[name] = launch([str(bin_dir / name), *args], run_dir / "logs" / f"{name}.log")
-        _record(run_dir, bin_dir, share_dir, server, processes)
+        _record(run_dir, bin_dir, share_dir, server, processes, layout)
 
     start_component(
         "etcd", "--name=test", f"--data-dir={run_dir / 'etcd'}", "--unsafe-no-fsync", "--log-level=warn",
@@ -348,55 +385,68 @@ def _start_components(
         f"--initial-advertise-peer-urls=http://127.0.0.1:{etcd_peer_port}",
         f"--initial-cluster=test=http://127.0.0.1:{etcd_peer_port}",
     )  # fmt: skip
-    _wait_until("etcd", lambda: _http_ok(f"{etcd_url}/health"), timeout_s, run_dir, processes)
+    wait_until("etcd", lambda: _http_ok(f"{etcd_url}/health"), timeout_s, run_dir, processes)
 
+    if layout.real_nodes:
+        node_flags = [
+            "--authorization-mode=Node,RBAC", "--enable-admission-plugins=NodeRestriction",
+            f"--kubelet-client-certificate={pki / 'apiserver-kubelet-client.crt'}",
+            f"--kubelet-client-key={pki / 'apiserver-kubelet-client.key'}",
+            f"--kubelet-certificate-authority={pki / 'ca.crt'}",
+        ]  # fmt: skip
+    else:
+        # A loopback advertise address makes the `kubernetes` Endpoints reconciler log errors.
+        node_flags = ["--authorization-mode=RBAC", "--endpoint-reconciler-type=none"]
     start_component(
         "kube-apiserver", f"--etcd-servers={etcd_url}",
-        "--bind-address=127.0.0.1", "--advertise-address=127.0.0.1", f"--secure-port={apiserver_port}",
+        f"--bind-address={layout.address}", f"--advertise-address={layout.address}", f"--secure-port={apiserver_port}",
         f"--tls-cert-file={pki / 'apiserver.crt'}", f"--tls-private-key-file={pki / 'apiserver.key'}",
-        f"--client-ca-file={pki / 'ca.crt'}", f"--cert-dir={pki}", "--authorization-mode=RBAC",
+        f"--client-ca-file={pki / 'ca.crt'}", f"--cert-dir={pki}", *node_flags,
         "--service-account-issuer=https://kubernetes.default.svc.cluster.local",
         f"--service-account-key-file={pki / 'sa.pub'}", f"--service-account-signing-key-file={pki / 'sa.key'}",
-        f"--service-cluster-ip-range={SERVICE_CIDR}", "--allow-privileged=true",
-        # A loopback advertise address makes the `kubernetes` Endpoints reconciler log errors.
-        "--endpoint-reconciler-type=none", "--enable-priority-and-fairness=false", "--profiling=false",
-        "--kubelet-preferred-address-types=InternalIP",
+        f"--service-cluster-ip-range={layout.service_cidr}", "--allow-privileged=true",
+        "--enable-priority-and-fairness=false", "--profiling=false", "--kubelet-preferred-address-types=InternalIP",
     )  # fmt: skip
     tls = _admin_tls(pki)
-    _wait_until("kube-apiserver /readyz", lambda: _http_ok(f"{server}/readyz", tls), timeout_s, run_dir, processes)
+    wait_until("kube-apiserver /readyz", lambda: _http_ok(f"{server}/readyz", tls), timeout_s, run_dir, processes)
 
     # secure-port=0: neither serves anything, so they open no port at all.
+    # Real nodes get their pod ranges from the controller-manager (the node's CNI serves the same one).
+    node_cidrs = ["--allocate-node-cidrs=true", f"--cluster-cidr={layout.pod_cidr}", "--node-cidr-mask-size=24"]
     start_component(
         "kube-controller-manager", f"--kubeconfig={kubeconfig}", "--leader-elect=false",
         "--bind-address=127.0.0.1", "--secure-port=0", f"--root-ca-file={pki / 'ca.crt'}",
         f"--service-account-private-key-file={pki / 'sa.key'}",
         f"--cluster-signing-cert-file={pki / 'ca.crt'}", f"--cluster-signing-key-file={pki / 'ca.key'}",
+        *(node_cidrs if layout.real_nodes else []),
     )  # fmt: skip
     start_component(
         "kube-scheduler", f"--kubeconfig={kubeconfig}", "--leader-elect=false",
         "--bind-address=127.0.0.1", "--secure-port=0",
     )  # fmt: skip
-    stages = run_dir / "kwok-stages.yaml"
-    stage_files = [share_dir / "kwok-stages.yaml", *sorted(STAGES_DIR.glob("*.yaml"))]
-    stages.write_text("\n---\n".join(path.read_text() for path in stage_files))
-    # kwok opens no port without --server-address / --node-port.
-    start_component(
-        "kwok", f"--kubeconfig={kubeconfig}", f"--config={stages}",
-        "--manage-all-nodes=false", "--manage-nodes-with-annotation-selector=kwok.x-k8s.io/node=fake",
-        "--manage-nodes-with-label-selector=", "--manage-single-node=",
-        f"--cidr={POD_CIDR}", f"--node-ip={NODE_IP}", "--node-lease-duration-seconds=40",
-    )  # fmt: skip
+    if not layout.real_nodes:
+        stages = run_dir / "kwok-stages.yaml"
+        stage_files = [share_dir / "kwok-stages.yaml", *sorted(STAGES_DIR.glob("*.yaml"))]
+        stages.write_text("\n---\n".join(path.read_text() for path in stage_files))
+        # kwok opens no port without --server-address / --node-port.
+        start_component(
+            "kwok", f"--kubeconfig={kubeconfig}", f"--config={stages}",
+            "--manage-all-nodes=false", "--manage-nodes-with-annotation-selector=kwok.x-k8s.io/node=fake",
+            "--manage-nodes-with-label-selector=", "--manage-single-node=",
+            f"--cidr={layout.pod_cidr}", f"--node-ip={NODE_IP}", "--node-lease-duration-seconds=40",
+        )  # fmt: skip
     # The service-account controller creating `default` shows the controller-manager works.
-    _wait_until(
+    wait_until(
         "the controller-manager (default ServiceAccount)",
         lambda: _http_ok(f"{server}/api/v1/namespaces/default/serviceaccounts/default", tls),
         timeout_s,
         run_dir,
         processes,
     )
-    plane = _record(run_dir, bin_dir, share_dir, server, processes)
-    plane.kubectl("create", "-f", str(NODES_MANIFEST))
-    plane.kubectl("wait", "--for=condition=Ready", "node", "--all", f"--timeout={int(timeout_s)}s")
+    plane = _record(run_dir, bin_dir, share_dir, server, processes, layout)
+    if not layout.real_nodes:
+        plane.kubectl("create", "-f", str(NODES_MANIFEST))
+        plane.kubectl("wait", "--for=condition=Ready", "node", "--all", f"--timeout={int(timeout_s)}s")
     return plane
 
 
@@ -412,12 +462,15 @@ def load(run_dir: Path) -> ControlPlane:
         share_dir=Path(state["share_dir"]),
         server=state["server"],
         processes={name: ProcessId.from_json(value) for name, value in state["processes"].items()},
+        layout=Layout(**state["layout"]) if "layout" in state else FAKE_NODES,
     )
 
 
 def running(plane: ControlPlane) -> bool:
     """Every recorded component still runs."""
-    return set(plane.processes) == set(COMPONENTS) and all(process.alive() for process in plane.processes.values())
+    return set(plane.processes) == set(plane.layout.components) and all(
+        process.alive() for process in plane.processes.values()
+    )
 
 
 def stop(run_dir: Path, *, remove: bool = True) -> None:

@@ -1,12 +1,14 @@
-"""One test control plane shared by every process of a test run (the pytest-xdist workers).
+"""One test control plane (or real-node cluster) shared by every process of a test run (the
+pytest-xdist workers).
 
 The first process to acquire() builds the binaries if needed and starts the control plane, under
 a file lock the others wait on; each process registers its pid as a holder.  release() drops the
 holder, and the last one out stops the control plane.  A small reaper process, started with the
 control plane, stops it as well once no holder is alive, so a run that was killed (SIGKILL,
-a timeout, a crash) leaves nothing running either.
+a timeout, a crash) leaves nothing running either.  SharedRealCluster does the same for the
+cluster with a real node (realnode.py).
 
-    python3 shared_cluster.py reap STATE_DIR   (started by acquire(); not for direct use)
+    python3 shared_cluster.py reap STATE_DIR [real-node]   (started by acquire(); not for direct use)
 """
 
 from __future__ import annotations
@@ -21,18 +23,24 @@ import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Generic, TypeVar
 
 import controlplane
+import realnode
 from controlplane import ControlPlane, ControlPlaneError
+from node_host import NodeError
 from processes import ProcessId
 
 log = logging.getLogger("m3stack.k8s.shared_cluster")
 
 REAP_INTERVAL_S = 1.0
+Shared = TypeVar("Shared")
 
 
-class SharedControlPlane:
-    """The control plane of one test run, keyed by a string every process of the run agrees on."""
+class _SharedCluster(Generic[Shared]):
+    """What one test run shares, keyed by a string every process of the run agrees on."""
+
+    KIND = ""
 
     def __init__(self, state_dir: Path) -> None:
         self.state_dir = state_dir
@@ -69,38 +77,46 @@ class SharedControlPlane:
     def _write_holders(self, holders: list[ProcessId]) -> None:
         self._holders_file.write_text(json.dumps([holder.to_json() for holder in holders]))
 
-    def acquire(self) -> ControlPlane:
+    # What is shared: how it starts, is found running, and stops.
+    def _start(self) -> Shared:
+        raise NotImplementedError
+
+    def _load_running(self) -> Shared | None:
+        raise NotImplementedError
+
+    def _stop(self) -> None:
+        raise NotImplementedError
+
+    def acquire(self) -> Shared:
         """The run's control plane, started (and built, once) by the first caller.  Raises
         ControlPlaneError, also for later callers, when it could not start."""
         with self._locked():
             if self._failure_file.exists():
                 raise ControlPlaneError(f"(as for an earlier worker) {self._failure_file.read_text()}")
-            plane = self._running()
-            if plane is None:
+            shared = self._running()
+            if shared is None:
                 try:
-                    plane = controlplane.start(self.run_dir, controlplane.binaries_dir(build=True))
-                except ControlPlaneError as error:
+                    shared = self._start()
+                except (ControlPlaneError, NodeError) as error:
                     self._failure_file.write_text(str(error))
-                    raise
+                    raise ControlPlaneError(str(error)) from error
                 self._start_reaper()
             self._write_holders([*self._live_holders(), ProcessId.current()])
-            return plane
+            return shared
 
-    def _running(self) -> ControlPlane | None:
-        """The control plane already running here, or None after clearing any leftovers."""
+    def _running(self) -> Shared | None:
+        """What already runs here, or None after clearing any leftovers."""
         if not self.run_dir.exists():
             return None
-        with contextlib.suppress(ControlPlaneError):
-            plane = controlplane.load(self.run_dir)
-            if controlplane.running(plane):
-                return plane
-        controlplane.stop(self.run_dir)
-        return None
+        shared = self._load_running()
+        if shared is None:
+            self._stop()
+        return shared
 
     def _start_reaper(self) -> None:
         with open(self.state_dir / "reaper.log", "ab") as reaper_log:
             subprocess.Popen(
-                [sys.executable, __file__, "reap", str(self.state_dir)],
+                [sys.executable, __file__, "reap", str(self.state_dir), self.KIND],
                 stdin=subprocess.DEVNULL,
                 stdout=reaper_log,
                 stderr=subprocess.STDOUT,
@@ -116,7 +132,7 @@ class SharedControlPlane:
                 self._stop_all()
 
     def _stop_all(self) -> None:
-        controlplane.stop(self.run_dir)
+        self._stop()
         shutil.rmtree(self.state_dir, ignore_errors=True)
 
     def reap(self) -> None:
@@ -131,8 +147,52 @@ class SharedControlPlane:
                     return
 
 
+class SharedControlPlane(_SharedCluster[ControlPlane]):
+    """The run's control plane with kwok's fake nodes."""
+
+    KIND = "control-plane"
+
+    def _start(self) -> ControlPlane:
+        return controlplane.start(self.run_dir, controlplane.binaries_dir(build=True))
+
+    def _load_running(self) -> ControlPlane | None:
+        with contextlib.suppress(ControlPlaneError):
+            plane = controlplane.load(self.run_dir)
+            if controlplane.running(plane):
+                return plane
+        return None
+
+    def _stop(self) -> None:
+        controlplane.stop(self.run_dir)
+
+
+class SharedRealCluster(_SharedCluster[realnode.RealCluster]):
+    """The run's cluster with one real node (realnode.RealCluster): one per machine at a time."""
+
+    KIND = "real-node"
+
+    def __init__(self, state_dir: Path, images_manifest: Path) -> None:
+        super().__init__(state_dir)
+        self._images_manifest = images_manifest
+
+    def _start(self) -> realnode.RealCluster:
+        return realnode.start(
+            self.run_dir, controlplane.binaries_dir(build=True), realnode.built_node_binaries(), self._images_manifest
+        )
+
+    def _load_running(self) -> realnode.RealCluster | None:
+        return realnode.load(self.run_dir) if realnode.running(self.run_dir) else None
+
+    def _stop(self) -> None:
+        realnode.stop(self.run_dir)
+
+
 if __name__ == "__main__":
     logging.basicConfig(level=logging.INFO, format="%(asctime)s [k8s-reaper] %(message)s", stream=sys.stderr)
-    if len(sys.argv) != 3 or sys.argv[1] != "reap":
-        sys.exit(f"usage: {sys.argv[0]} reap STATE_DIR")
-    SharedControlPlane(Path(sys.argv[2])).reap()
+    if len(sys.argv) not in (3, 4) or sys.argv[1] != "reap":
+        sys.exit(f"usage: {sys.argv[0]} reap STATE_DIR [{SharedRealCluster.KIND}]")
+    state_dir = Path(sys.argv[2])
+    if sys.argv[3:] == [SharedRealCluster.KIND]:
+        SharedRealCluster(state_dir, images_manifest=Path()).reap()  # stops only: needs no images
+    else:
+        SharedControlPlane(state_dir).reap()

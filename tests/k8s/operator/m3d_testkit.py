@@ -120,15 +120,17 @@ class OperatorProcess:
         self.namespace = namespace
         self.log_path = log_path
         self.process: subprocess.Popen | None = None
+        self.port = 0  # of /healthz and /metrics, once started
 
-    def start(self, drift_interval_s: float = 5.0) -> OperatorProcess:
-        port = controlplane.free_port()
+    def start(self, drift_interval_s: float = 5.0, extra_args: tuple[str, ...] = ()) -> OperatorProcess:
+        port = self.port = controlplane.free_port()
         command = [
             sys.executable, "-m", "m3stack", "--log-level", "INFO", "operator",
             "--namespace", self.namespace, "--liveness-host", "127.0.0.1", "--liveness-port", str(port),
             "--drift-interval", str(drift_interval_s),
             "--engine-image", "registry.invalid/m3stack/engine:test",
             "--gateway-image", "registry.invalid/m3stack/gateway:test",
+            *extra_args,
         ]  # fmt: skip
         log = self.log_path.open("a")
         self.process = self.cluster.popen(

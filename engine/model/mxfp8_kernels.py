@@ -1,0 +1,313 @@
+"""Weight-only MXFP8 matmuls for Hopper in Triton: the dense linears and the MoE's grouped GEMM.
+
+``out[r] = x[r] @ W[g].T`` where ``W[g] = fp8[g] * 2 ** (scale[g] - 127)`` per 32 input elements.  Hopper has
+no microscaled tensor cores, so each program streams FP8 weight tiles and their E8M0 bytes from memory, widens
+them in registers (e4m3 -> float32, times the block's power of two, -> the activations' dtype: exact, the
+scaled value is a bf16 number) and runs bf16 tensor-core MMAs with float32 accumulation.  Decode steps are bound
+by the weight bytes they read, which are half of bf16's.
+
+One kernel serves both: a dense linear is one group of ``rows`` rows; the grouped GEMM takes the expert-sorted
+rows of ``moe.MoE._grouped`` with each group's end row (``ends``, on the device: no host sync, so decode steps
+can be CUDA-graphed).  The grid has ``cdiv(rows, BLOCK_M) + groups`` row blocks, a bound on the blocks the
+groups need whatever the routing; each program finds its group from the ends in registers (a cumulative sum over
+at most a few hundred groups) and leaves at once when it has none.  Rows past the last group's end (pairs run
+on another rank) are not written.
+
+Small grids (decode over few groups, narrow tensor-parallel shards) split K over programs that write float32
+partials, summed in a fixed order afterwards: deterministic, no atomics.
+
+The scales are read block-major: the ``N`` bytes of one 32-input block contiguous (``mxfp8.block_major``, the
+layout the model's parameters are given in memory; checkpoints store ``[N, K / 32]`` row-major), so each
+32-input sub-tile of weights comes with one contiguous row of scales.
+
+``dequantize_groups`` widens whole FP8 matrices into a bf16 scratch the same way: the MoE's large steps can
+multiply through torch's bf16 grouped GEMM instead (``moe.MoE.grouped_dequantized``), where the step is bound by
+math rather than by weight reads.
+
+``moe`` and ``params.Linear`` call these through ``mxfp8``; ``mxfp8.dequantize`` + a float matmul is the
+reference the tests compare with (on CPU under ``TRITON_INTERPRET=1``, and on the H200 in ``tests/gpu``).
+"""
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from m3stack.engine.model.quantization import BLOCK_SIZE
+
+ACTIVATION_DTYPES = (torch.bfloat16, torch.float16)
+DEFAULT_SMS = 132  # H100/H200; the grid sizing's guess where no CUDA device answers (the CPU interpreter)
+MIN_PROGRAMS_PER_SM = 2  # below this many programs per SM, split K
+
+
+@dataclass(frozen=True)
+class Tiles:
+    """One launch configuration (``split_k`` 0: chosen from the grid size)."""
+
+    block_m: int
+    block_n: int
+    block_k: int
+    num_warps: int
+    num_stages: int
+    split_k: int = 0
+    widen: int = 0  # _widen's WIDEN for bf16 activations (fp16 ones always widen through float32)
+
+
+# By rows per group; compiled for sm_90 by Triton 3.6 (the H200's) with no spills and every load pipelined
+# (cp.async): decode 64 registers (6 CTAs per SM), prefill 128 (2 CTAs per SM).
+DECODE_TILES = Tiles(block_m=16, block_n=64, block_k=128, num_warps=4, num_stages=4)
+MEDIUM_TILES = Tiles(block_m=64, block_n=128, block_k=128, num_warps=4, num_stages=3)
+PREFILL_TILES = Tiles(block_m=128, block_n=128, block_k=64, num_warps=8, num_stages=4)
+# dequantize_groups' tile: 16 KiB of FP8 read and 32 KiB of bf16 written a program.
+DEQUANTIZE_BLOCK_N, DEQUANTIZE_BLOCK_K = 64, 256
+
+
+@triton.jit
+def _widen(w, s, DTYPE: tl.constexpr, WIDEN: tl.constexpr):
+    """FP8 values ``w`` times ``2 ** (s - 127)`` (``s`` broadcast over ``w``), in ``DTYPE``: exact, the product is
+    a bf16 number.
+
+    ``WIDEN`` 0: through float32 (a byte of 0, 2 ** -127, reads as 0: no writer uses it); 1: e4m3 -> ``DTYPE``
+    and the power of two built as ``DTYPE`` bits (bf16 only); 2: as 1 through fp16 (Triton converts e4m3 to fp16
+    in one instruction per pair)."""
+    if WIDEN == 0:
+        return (w.to(tl.float32) * (s.to(tl.int32) << 23).to(tl.float32, bitcast=True)).to(DTYPE)
+    elif WIDEN == 1:
+        return w.to(DTYPE) * (s.to(tl.int16) << 7).to(DTYPE, bitcast=True)
+    else:
+        return w.to(tl.float16).to(DTYPE) * (s.to(tl.int16) << 7).to(DTYPE, bitcast=True)
+
+
+@triton.jit
+def _mxfp8_matmul_kernel(
+    x_ptr, w_ptr, s_ptr, out_ptr, ends_ptr,
+    rows, n, k, k_per_split,
+    stride_x, stride_wg, stride_wn, stride_sg, stride_sk, stride_split, stride_out,
+    GROUPS: tl.constexpr, GROUPS_P: tl.constexpr, SPLIT: tl.constexpr, EVEN_K: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, WIDEN: tl.constexpr,
+):  # fmt: skip
+    """One ``BLOCK_M x BLOCK_N`` output tile of one group over ``k_per_split`` inputs (program axis 2)."""
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    pid_k = tl.program_id(2)
+    if GROUPS == 0:  # a dense linear: one group of every row
+        group = 0
+        row_start = pid_m * BLOCK_M
+        row_end = rows
+    else:
+        # Group g owns rows [ends[g-1], ends[g]) and cdiv(count, BLOCK_M) row blocks, numbered in group order.
+        g = tl.arange(0, GROUPS_P)
+        real = g < GROUPS
+        ends = tl.load(ends_ptr + g, mask=real, other=0)
+        starts = tl.load(ends_ptr + g - 1, mask=real & (g > 0), other=0)
+        blocks = tl.where(real, (ends - starts + BLOCK_M - 1) // BLOCK_M, 0)
+        block_ends = tl.cumsum(blocks, axis=0)
+        group = tl.sum((block_ends <= pid_m).to(tl.int32), axis=0)
+        if group >= GROUPS:  # past the last block the groups need
+            return
+        mine = g == group
+        first_block = tl.sum(tl.where(mine, block_ends - blocks, 0), axis=0)
+        row_start = tl.sum(tl.where(mine, starts, 0), axis=0) + (pid_m - first_block) * BLOCK_M
+        row_end = tl.sum(tl.where(mine, ends, 0), axis=0)
+
+    offs_m = row_start + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_m = offs_m < row_end
+    mask_n = offs_n < n
+    k_start = tl.multiple_of(pid_k * k_per_split, BLOCK_K)  # unhinted, it leaves every load unvectorized
+    k_stop = tl.minimum(k, k_start + k_per_split)
+    offs_k = k_start + tl.arange(0, 32)
+    # Each K tile is read as 32-input sub-tiles, one scale block each: the weights [32, BLOCK_N] and the block's row
+    # of scales [1, BLOCK_N], broadcast.  The scales are block-major (a block's N scales contiguous: _launch checks
+    # it), so that row is one contiguous, pipelined load.  The [BLOCK_K, BLOCK_N] gather of scale bytes this
+    # replaces (one load per weight) ran the MoE layer at 1.3 TB/s on the H200; for sm_90 (Triton 3.6) it took
+    # 216-255 registers against 64-153 now.
+    x_rows = x_ptr + offs_m[:, None].to(tl.int64) * stride_x
+    w_cols = w_ptr + group.to(tl.int64) * stride_wg + offs_n[None, :].to(tl.int64) * stride_wn
+    s_cols = s_ptr + group.to(tl.int64) * stride_sg + offs_n[None, :]
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for kk in range(0, k_per_split, BLOCK_K):
+        for j in tl.static_range(BLOCK_K // 32):
+            in_k = offs_k + (kk + j * 32)
+            block = (k_start + kk + j * 32) // 32
+            if not EVEN_K:  # a sub-tile past k reads the last block's scales: its weights are masked to 0
+                block = tl.minimum(block, k // 32 - 1)
+            scale_ptrs = s_cols + block * stride_sk
+            if EVEN_K:
+                x = tl.load(x_rows + in_k[None, :], mask=mask_m[:, None], other=0.0)
+                w = tl.load(w_cols + in_k[:, None], mask=mask_n[None, :], other=0.0)
+                s = tl.load(scale_ptrs, mask=mask_n[None, :], other=0)
+            else:
+                live = in_k < k_stop
+                x = tl.load(x_rows + in_k[None, :], mask=mask_m[:, None] & live[None, :], other=0.0)
+                w = tl.load(w_cols + in_k[:, None], mask=live[:, None] & mask_n[None, :], other=0.0)
+                s = tl.load(scale_ptrs, mask=mask_n[None, :], other=0)
+            acc = tl.dot(x, _widen(w, s, x_ptr.dtype.element_ty, WIDEN), acc)
+
+    out_ptrs = out_ptr + pid_k * stride_split + offs_m[:, None].to(tl.int64) * stride_out + offs_n[None, :]
+    mask = mask_m[:, None] & mask_n[None, :]
+    if SPLIT:
+        tl.store(out_ptrs, acc, mask=mask)
+    else:
+        tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _dequantize_kernel(
+    w_ptr, s_ptr, out_ptr, n, k,
+    stride_wg, stride_wn, stride_sg, stride_sk, stride_og, stride_on,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):  # fmt: skip
+    """One ``[BLOCK_N, BLOCK_K]`` tile of group ``program_id(0)``'s weights widened to the output's dtype, read as
+    32-input sub-tiles with one contiguous row of (block-major) scales each, as the matmul reads them."""
+    group = tl.program_id(0).to(tl.int64)
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_n = offs_n < n
+    k_start = tl.program_id(2) * BLOCK_K
+    w_rows = w_ptr + group * stride_wg + offs_n[:, None].to(tl.int64) * stride_wn
+    out_rows = out_ptr + group * stride_og + offs_n[:, None].to(tl.int64) * stride_on
+    for j in tl.static_range(BLOCK_K // 32):
+        first = k_start + j * 32
+        offs_k = first + tl.arange(0, 32)
+        # k is whole blocks: one bound a sub-tile (constant along it) keeps the accesses vectorized.
+        live = mask_n[:, None] & (tl.zeros([1, 32], dtype=tl.int32) + first < k)
+        w = tl.load(w_rows + offs_k[None, :], mask=live, other=0.0)
+        s = tl.load(s_ptr + group * stride_sg + (first // 32) * stride_sk + offs_n[:, None], mask=live, other=0)
+        tl.store(out_rows + offs_k[None, :], _widen(w, s, out_ptr.dtype.element_ty, 0), mask=live)
+
+
+def dequantize_groups(weights: torch.Tensor, scales: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """MXFP8 ``weights`` ``[G, N, K]`` (block-major ``scales`` ``[G, N, K / 32]``) widened into ``out`` (bf16 or
+    fp16, ``[G, N, K]``, last dimension contiguous): the exact values, for a grouped GEMM in ``out``'s dtype."""
+    groups, n, k = weights.shape
+    if out.shape != weights.shape or out.dtype not in ACTIVATION_DTYPES or out.stride(2) != 1:
+        raise ValueError(f"out must be bf16/fp16 {tuple(weights.shape)}, got {out.dtype} {tuple(out.shape)}")
+    _check_layout(weights, scales)
+    grid = (groups, triton.cdiv(n, DEQUANTIZE_BLOCK_N), triton.cdiv(k, DEQUANTIZE_BLOCK_K))
+    _dequantize_kernel[grid](
+        weights, scales, out, n, k,
+        weights.stride(0), weights.stride(1), scales.stride(0), scales.stride(2), out.stride(0), out.stride(1),
+        BLOCK_N=DEQUANTIZE_BLOCK_N, BLOCK_K=DEQUANTIZE_BLOCK_K, num_warps=4,
+    )  # fmt: skip
+    return out
+
+
+def mxfp8_linear(
+    x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor, tiles: Tiles | None = None
+) -> torch.Tensor:
+    """``x`` ``[M, K]`` times an MXFP8 ``weight`` ``[N, K]`` (block-major ``scales`` ``[N, K / 32]``) transposed:
+    ``[M, N]``."""
+    return _launch(x, weight[None], scales[None], None, tiles)
+
+
+def mxfp8_grouped_mm(
+    x: torch.Tensor, weights: torch.Tensor, scales: torch.Tensor, ends: torch.Tensor, tiles: Tiles | None = None
+) -> torch.Tensor:
+    """Rows ``ends[g-1]:ends[g]`` of ``x`` ``[P, K]`` times ``weights[g]`` ``[N, K]`` transposed: ``[P, N]``.
+
+    ``ends`` ``[G]`` int32 on the device, non-decreasing; rows from ``ends[-1]`` on are left unwritten."""
+    if ends.shape != (weights.shape[0],):
+        raise ValueError(f"ends {tuple(ends.shape)} must hold one end row per group ({weights.shape[0]})")
+    return _launch(x, weights, scales, ends, tiles)
+
+
+def choose_tiles(rows: int, groups: int) -> Tiles:
+    """The launch configuration for ``rows`` rows over ``groups`` groups (1: a dense linear), by rows per group."""
+    rows_per_group = rows / max(1, min(rows, groups))
+    if rows_per_group <= 16:
+        return DECODE_TILES
+    if rows_per_group <= 128:
+        return MEDIUM_TILES
+    return PREFILL_TILES
+
+
+@dataclass(frozen=True)
+class LaunchPlan:
+    """What a launch over ``rows`` rows runs: its tiles, K tile, and K split (``split`` programs of ``k_per_split``
+    inputs each, partial sums added in a fixed order).  A row's result depends on its inputs and on this plan only
+    (each row is one program's, whatever its neighbours), so where a padded CUDA-graph batch plans as the eager
+    batch it pads, both give the same bits (tests/engine/model/test_mxfp8_format.py checks M3's and the tiny
+    model's shapes)."""
+
+    tiles: Tiles
+    block_k: int
+    k_per_split: int
+    split: int
+
+
+def plan_launch(
+    rows: int, n: int, k: int, groups: int | None, device: torch.device, tiles: Tiles | None = None
+) -> LaunchPlan:
+    """The plan of ``rows`` rows times ``[N, K]`` weights: one dense matrix (``groups`` None) or ``groups`` of them."""
+    tiles = tiles or choose_tiles(rows, groups or 1)
+    block_k = min(tiles.block_k, triton.next_power_of_2(k))
+    n_blocks = triton.cdiv(n, tiles.block_n)
+    # Programs with work: a dense grid is all of them; a grouped one at most one block per non-empty group plus
+    # one per BLOCK_M rows.  Counted for the rows rounded up to a power of two: a decode step of R tokens and the
+    # CUDA graph of its padded batch (1, 2, 4, 8, then multiples of 16 tokens; times a power-of-two top-k) round
+    # alike, so they split K alike (eager 5 tokens at M3's top-4 and TP=8 split in 2, their graph of 8 did not).
+    bucket = triton.next_power_of_2(rows)
+    busy_row_blocks = (
+        triton.cdiv(bucket, tiles.block_m) if groups is None else min(bucket, groups) + bucket // tiles.block_m
+    )
+    split = tiles.split_k or _split_for(device, busy_row_blocks * n_blocks, k, block_k)
+    k_per_split = triton.cdiv(triton.cdiv(k, split), block_k) * block_k
+    return LaunchPlan(tiles, block_k, k_per_split, triton.cdiv(k, k_per_split))
+
+
+def _launch(
+    x: torch.Tensor, weights: torch.Tensor, scales: torch.Tensor, ends: torch.Tensor | None, tiles: Tiles | None
+) -> torch.Tensor:
+    groups, n, k = weights.shape
+    if x.dim() != 2 or x.shape[1] != k:
+        raise ValueError(f"x {tuple(x.shape)} must be [rows, {k}] for weights {tuple(weights.shape)}")
+    if x.dtype not in ACTIVATION_DTYPES:
+        raise ValueError(f"activations must be bf16 or fp16 for the MXFP8 kernels, got {x.dtype}")
+    if x.stride(1) != 1:
+        raise ValueError("x needs a contiguous last dimension")
+    _check_layout(weights, scales)
+    rows = x.shape[0]
+    out = torch.empty((rows, n), dtype=x.dtype, device=x.device)
+    if rows == 0:
+        return out
+    grouped = ends is not None
+    plan = plan_launch(rows, n, k, groups if grouped else None, x.device, tiles)
+    tiles, block_k, k_per_split, split = plan.tiles, plan.block_k, plan.k_per_split, plan.split
+    row_blocks = triton.cdiv(rows, tiles.block_m) + (groups if grouped else 0)
+    n_blocks = triton.cdiv(n, tiles.block_n)
+    target = out if split == 1 else torch.empty((split, rows, n), dtype=torch.float32, device=x.device)
+    _mxfp8_matmul_kernel[(row_blocks, n_blocks, split)](
+        x, weights, scales, target, ends if grouped else x,
+        rows, n, k, k_per_split,
+        x.stride(0), weights.stride(0), weights.stride(1), scales.stride(0), scales.stride(2),
+        target.stride(0) if split > 1 else 0, target.stride(-2),
+        GROUPS=groups if grouped else 0, GROUPS_P=triton.next_power_of_2(groups) if grouped else 1,
+        SPLIT=split > 1, EVEN_K=k % k_per_split == 0 and k_per_split % block_k == 0,
+        BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_K=block_k,
+        WIDEN=tiles.widen if x.dtype == torch.bfloat16 else 0,
+        num_warps=tiles.num_warps, num_stages=tiles.num_stages,
+    )  # fmt: skip
+    if split > 1:
+        # Rows past the groups' ends stay unwritten in every partial; their sum is as undefined as the rows.
+        out.copy_(target.sum(dim=0))
+    return out
+
+
+def _check_layout(weights: torch.Tensor, scales: torch.Tensor) -> None:
+    """FP8 ``[G, N, K]`` with contiguous rows and E8M0 ``[G, N, K / 32]`` stored block-major (``mxfp8.block_major``:
+    the ``N`` scales of one block contiguous), which is how the kernels read them."""
+    groups, n, k = weights.shape
+    if scales.shape != (groups, n, k // BLOCK_SIZE) or k % BLOCK_SIZE:
+        raise ValueError(f"scales {tuple(scales.shape)} do not fit weights {tuple(weights.shape)}")
+    if weights.stride(2) != 1:
+        raise ValueError("weights need a contiguous last dimension")
+    if scales.stride(1) != 1 and n > 1:
+        raise ValueError(f"scales must be block-major (mxfp8.block_major), got strides {scales.stride()}")
+
+
+def _split_for(device: torch.device, programs: int, k: int, block_k: int) -> int:
+    """K splits that bring ``programs`` up to ``MIN_PROGRAMS_PER_SM`` per SM, each split at least 4 K tiles."""
+    sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else DEFAULT_SMS
+    wanted = triton.cdiv(MIN_PROGRAMS_PER_SM * sms, max(1, programs))
+    return max(1, min(wanted, k // (4 * block_k)))

@@ -1,1 +1,0 @@
-"""The gateway's view of its engines: gRPC clients, discovery, health and circuit breakers."""
