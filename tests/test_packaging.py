@@ -49,6 +49,7 @@ def test_editable_install_maps_components_and_keeps_stdlib_operator(repo_root, t
     install = subprocess.run(
         [
             sys.executable,
+            "-I",  # the repository root (cwd, PYTHONPATH) may hold a stale m3stack.egg-info
             "-m",
             "pip",
             "install",
@@ -60,6 +61,7 @@ def test_editable_install_maps_components_and_keeps_stdlib_operator(repo_root, t
             "-e",
             str(checkout),
         ],
+        cwd=tmp_path,
         capture_output=True,
         text=True,
     )
@@ -91,6 +93,7 @@ def test_wheel_holds_every_component(repo_root, tmp_path):
     result = subprocess.run(
         [
             sys.executable,
+            "-I",  # the repository root (cwd, PYTHONPATH) may hold a stale m3stack.egg-info
             "-m",
             "pip",
             "wheel",
@@ -101,6 +104,7 @@ def test_wheel_holds_every_component(repo_root, tmp_path):
             str(wheels),
             str(checkout),
         ],
+        cwd=tmp_path,
         capture_output=True,
         text=True,
     )
