@@ -1,9 +1,10 @@
-"""Agentic serving benchmark: closed-loop gRPC clients against the real engine server, five engine configs.
+"""Agentic serving benchmark: closed-loop gRPC clients against the real engine server, six engine configs.
 
 The engine is built in this process around one random-weight model (M3 attention dims, ``--layers`` layers,
-dense MLPs: ``bench.engine_step.build_model``; ``--model tiny`` takes the embedded tiny checkpoint for CPU
-runs) and served by the real gRPC server (``AsyncEngine`` + ``GrpcServer``) on a free loopback port; the
-clients run in a spawned process of their own.  The configs differ only in their ``EngineConfig``:
+dense MLPs unless ``--moe``: ``bench.engine_step.build_model``; ``--model tiny`` takes the embedded tiny checkpoint
+for CPU runs) and served by the real gRPC server (``AsyncEngine`` + ``GrpcServer``) on a free loopback port; the
+clients run in a spawned process of their own.  The configs differ only in their ``EngineConfig``, and ``f`` in
+the format of the same model's weights:
 
 * ``a``: the optimized engine (``attention="msa"``: Triton MSA kernels, FlashInfer; on cpu ``--msa-attention``
   defaults to ``auto``, the reference backend, since the kernels only run interpreted there);
@@ -12,7 +13,14 @@ clients run in a spawned process of their own.  The configs differ only in their
 * ``d``: ``a`` with CPU KV offload: a pinned host pool and ``--offload-device-blocks`` device blocks (default:
   the prefix + half the largest point's own blocks + one hot buffer);
 * ``e``: ``a`` over fp8 caches (``--index-dtype fp8_e4m3 --kv-cache-dtype fp8_e4m3``), only when ``--configs``
-  names it: FP8 rows beside bf16 ones in the same run.
+  names it: FP8 rows beside bf16 ones in the same run;
+* ``f``: ``a`` serving the same weights in MXFP8, only when ``--configs`` names it (``engine.mxfp8_copy``): the
+  random weights quantized by ``mxfp8.quantize`` into the model the engine loads from the MiniMax-M3-MXFP8
+  release, FP8 e4m3 values and E8M0 scales kept FP8 on the device and multiplied by ``mxfp8_kernels``' weight-only
+  kernels on CUDA; embeddings, the LM head, norms and routers stay bf16, as in the release.  Built with ``f``'s
+  engine and freed with it.  The m3dims MLPs are dense unless ``--moe`` (16 experts, top-4, on the MSA layers; M3
+  itself has 128 experts, top-8, which hold most of the weights MXFP8 halves); the tiny model's are MoE but the first.
+  ``extra["weights"]`` records each config's served parameter bytes by dtype and its number of MXFP8 parameters.
 
 Workload (agentic shape): one shared prefix (``--prefix-tokens``), a unique suffix per request
 (``--suffix-tokens``), ``--output-tokens`` greedy tokens with ``ignore_eos``.  Per config: an untimed warm-up
@@ -25,7 +33,8 @@ buffer it must lease (``engine.offload.tiered_manager``; ``extra["offload"]`` sa
 2K suffixes they do not, so ``d``'s device pressure shows as preemptions.  ``--long-context`` adds one
 request with a very long prompt per ``--long-configs`` config: prefill time, decode tok/s with CUDA graphs for
 the first half of its tokens, then eagerly (the offload's copies are timed only in eager steps), offload
-counters.  ``extra`` holds the ratios a/c, a/b, d/a, e/a, e/b per concurrency, the targets, and greedy agreement.
+counters.  ``extra`` holds the ratios a/c, a/b, d/a, e/a, e/b, f/a per concurrency (and long d/a, f/a), the
+targets, and greedy agreement with a.
 
 Budget: ``--budget-s`` wall seconds from the start.  Each config (a long run counts half, ``--weights`` changes a
 config's share: the naive ``c`` needs several) gets its share of what is left; a point whose predicted time does
@@ -37,6 +46,8 @@ rewritten after every point; a config that fails records ``"error"`` in its rows
     python -m bench.serving [--out DIR] [--budget-s 600] [--configs a,b,c,d] [--concurrency 1,2,4,8,16,32,64]
     python -m bench.serving --budget-s 230 --configs a,b,d,c --concurrency 1,4,16,64 --output-tokens 128 \
         --requests-per-point 2 --long-context 262144 --long-output-tokens 128      # ~4 minutes on the H200
+    python -m bench.serving --name serving_af_mxfp8 --budget-s 540 --configs a,f --concurrency 1,2,4,8,16,32,64 \
+        --output-tokens 512 --requests-per-point 2 --long-context 0      # MXFP8 beside bf16 (H200: not run yet)
 """
 
 from __future__ import annotations
@@ -51,7 +62,7 @@ from pathlib import Path
 
 from bench.common import RESULTS_DIR
 from bench.serving.engine import load_model
-from bench.serving.report import agreement, ratios, svg_plot, tables, target_report
+from bench.serving.report import RATIOS, agreement, ratios, svg_plot, tables, target_report
 from bench.serving.runner import run_units
 from bench.serving.state import CONFIGS, DEFAULT_CONFIGS, FINAL_S, Bench
 from bench.serving.workload import Workload
@@ -103,8 +114,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="m3dims: random bf16 weights at M3 attention dims; tiny: the embedded tiny checkpoint",
     )
     p.add_argument("--layers", type=int, default=8, help="m3dims layers (one dense-attention layer, then MSA)")
+    p.add_argument("--moe", action="store_true", help="m3dims: MoE MLPs (16 experts, top-4) on the MSA layers")
     p.add_argument("--configs", type=_config_list, default=list(DEFAULT_CONFIGS),
-                   help="of a,b,c,d,e (e: a over fp8 caches), run in this order (default a,b,c,d)")  # fmt: skip
+                   help="of a,b,c,d,e,f (e: a over fp8 caches; f: a with MXFP8 weights), run in this order "
+                        "(default a,b,c,d)")  # fmt: skip
     p.add_argument("--concurrency", type=_int_list, default=[1, 2, 4, 8, 16, 32, 64])
     p.add_argument("--prefix-tokens", type=int, default=60_000)
     p.add_argument("--suffix-tokens", type=int, default=2048)
@@ -170,24 +183,25 @@ def run(argv: list[str] | None = None) -> Bench:
                                                     "requests_per_point": args.requests_per_point},
         "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
         "engines": {},
+        "weights": {},
     })  # fmt: skip
     _note_offload(bench)
     if args.device == "cpu" and args.msa_attention != "msa":
         logger.warning("on cpu, configs a and d use attention=%s (the Triton kernels run only interpreted there)",
                        args.msa_attention)  # fmt: skip
     asyncio.run(run_units(bench))
-    bench.extra["ratios"] = {"a_over_c": ratios(bench.rows, "a", "c"), "a_over_b": ratios(bench.rows, "a", "b"),
-                             "d_over_a": ratios(bench.rows, "d", "a"), "e_over_a": ratios(bench.rows, "e", "a"),
-                             "e_over_b": ratios(bench.rows, "e", "b")}  # fmt: skip
+    bench.extra["ratios"] = {f"{n}_over_{d}": ratios(bench.rows, n, d) for n, d in RATIOS}
     long = {r["config"]: r.get("decode_tok_s") for r in bench.rows if r.get("phase") == "long"}
-    if long.get("d") and long.get("a"):
-        bench.extra["ratios"]["long_decode_d_over_a"] = long["d"] / long["a"]
+    for name in ("d", "f"):
+        if long.get(name) and long.get("a"):
+            bench.extra["ratios"][f"long_decode_{name}_over_a"] = long[name] / long["a"]
     bench.extra["targets"] = target_report(bench.rows, workload, args.concurrency)
     # Same prompts, greedy: c and d should give a's tokens up to bf16 near ties (b attends every token: it differs);
-    # e's fp8 caches move them further (tests/engine/model/test_fp8_cache.py says by how much).
+    # e's fp8 caches and f's MXFP8 weights move them further (tests/engine/model/test_fp8_cache.py says by how much
+    # for e; f's weights differ from a's by their rounding to e4m3).
     bench.extra["greedy_agreement"] = {
         f"{name}_vs_a": agreement(bench.tokens.get("a", {}), tokens) for name, tokens in bench.tokens.items()
-        if name in ("c", "d", "e")
+        if name in ("c", "d", "e", "f")
     }  # fmt: skip
     bench.extra["plot"] = _write_plot(bench)
     bench.save()

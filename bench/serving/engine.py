@@ -1,26 +1,27 @@
-"""The engines under test: the benchmark model, the ``EngineCore`` of each config (``state.CONFIGS``), and an
-``EngineCore`` served by the real gRPC server on loopback.  torch and the engine are imported where they are used,
-as in the whole package: the clients' process must not import them, and the budget clock starts before torch's
-import (``bench.serving.cli.run``)."""
+"""The engines under test: the benchmark model (and, for a config that serves MXFP8 weights, its MXFP8 copy), the
+``EngineCore`` of each config (``state.CONFIGS``), and an ``EngineCore`` served by the real gRPC server on loopback.
+torch and the engine are imported where they are used, as in the whole package: the clients' process must not
+import them, and the budget clock starts before torch's import (``bench.serving.cli.run``)."""
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import collections
 import dataclasses
 import gc
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import grpc
 
+from bench.serving.state import CONFIGS, Bench
 from m3stack.gateway.engine_client.client import CHANNEL_OPTIONS
 from m3stack.proto import engine_pb2_grpc
 
 if TYPE_CHECKING:
     import torch
 
-    from bench.serving.state import Bench
     from m3stack.engine.assembly.config import EngineConfig
     from m3stack.engine.model.config import M3Config
     from m3stack.engine.model.model import M3ForServing
@@ -44,17 +45,66 @@ def load_model(args: argparse.Namespace, device: torch.device, max_len: int
     else:
         from bench.engine_step import build_model
 
-        model, m3 = build_model(args.layers, False, device)
-        dtype, name = torch.bfloat16, f"random-m3-dims-{args.layers}-layers"
+        model, m3 = build_model(args.layers, args.moe, device)
+        dtype, name = torch.bfloat16, f"random-m3-dims-{args.layers}-layers" + ("-moe" if args.moe else "")
     if max_len > m3.text.max_position_embeddings:  # RoPE angles are computed per step: no table to outgrow
         m3 = dataclasses.replace(m3, text=dataclasses.replace(m3.text, max_position_embeddings=max_len))
     return model, m3, dtype, name
 
 
-def build_core(bench: Bench, config: EngineConfig) -> EngineCore:
+def mxfp8_copy(model: M3ForServing, m3: M3Config, device: torch.device, dtype: torch.dtype
+               ) -> tuple[M3ForServing, M3Config]:  # fmt: skip
+    """``model`` in the MiniMax-M3-MXFP8 release's format, as the engine loads that release: the linears its writer
+    quantizes (``mxfp8_writer``: every ``weights.quantizable`` one that ``RELEASE_IGNORED_LAYERS`` leaves) hold
+    ``mxfp8.quantize``'s FP8 values and E8M0 scales, kept FP8 on ``device`` in the model the loader builds for such a
+    checkpoint (``M3ForServing(quantized=...)``); every other parameter is ``model``'s.  Built in memory: writing
+    and reading back a checkpoint at M3's dims would spend minutes of the budget.  A test holds it equal, tensor for
+    tensor, to the loader's model of the writer's copy of the same checkpoint."""
+    import torch
+
+    from m3stack.engine.model import mxfp8
+    from m3stack.engine.model.model import M3ForServing
+    from m3stack.engine.model.mxfp8_writer import RELEASE_IGNORED_LAYERS
+    from m3stack.engine.model.quantization import Mxfp8Config, scale_name
+    from m3stack.engine.model.weights import checkpoint_tensors, quantizable
+
+    quantization = Mxfp8Config(ignored_layers=RELEASE_IGNORED_LAYERS)
+    m3 = dataclasses.replace(m3, quantization=quantization)
+    quantized = {spec.param for spec in checkpoint_tensors(m3)
+                 if quantizable(spec.param) and not quantization.ignores(spec.name)}  # fmt: skip
+    copy = M3ForServing(m3, dtype, device, quantized=quantized)
+    params = dict(copy.named_parameters(remove_duplicate=False))
+    with torch.no_grad():
+        for name, tensor in model.named_parameters():
+            if name in quantized:
+                values, scales = mxfp8.quantize(tensor)
+                params[name].copy_(values)
+                params[scale_name(name)].copy_(scales)  # into the block-major storage, as the loader copies
+            else:
+                params[name].copy_(tensor)
+    return copy.eval(), m3
+
+
+def served_weights(model: M3ForServing) -> dict[str, Any]:
+    """What an engine's model holds: parameter bytes by dtype, and how many parameters are MXFP8 (FP8 values with
+    E8M0 scales beside them)."""
+    from m3stack.engine.model import mxfp8
+
+    by_dtype: collections.Counter[str] = collections.Counter()
+    for param in model.parameters():
+        by_dtype[str(param.dtype).removeprefix("torch.")] += param.numel() * param.element_size()
+    return {"parameter_bytes": dict(by_dtype),
+            "mxfp8_parameters": sum(mxfp8.is_quantized(param) for param in model.parameters())}  # fmt: skip
+
+
+def build_core(bench: Bench, name: str, config: EngineConfig) -> EngineCore:
+    """Config ``name``'s engine: ``bench.model``, or for an MXFP8 config its copy (freed with the engine)."""
     from m3stack.engine.assembly.core import assemble_engine_core
 
-    core = assemble_engine_core(config, bench.model, bench.m3, model_path=bench.extra["model"], device=bench.device,
+    model, m3 = bench.model, bench.m3
+    if CONFIGS[name].mxfp8_weights:
+        model, m3 = mxfp8_copy(model, m3, bench.device, bench.dtype)
+    core = assemble_engine_core(config, model, m3, model_path=bench.extra["model"], device=bench.device,
                                 dtype=bench.dtype)  # fmt: skip
     if core.offload is not None:
         core.offload.timing = True  # CUDA-event timing of the copies of eager steps (H2D GB/s)

@@ -24,18 +24,12 @@ from pathlib import Path
 from typing import Any
 
 from bench.common import RESULTS_DIR, write_results
-from bench.serving.report import ratios, svg_plot, target_report
+from bench.serving.report import RATIOS, ratios, svg_plot, target_report
 from bench.serving.workload import Workload
 
 logger = logging.getLogger("bench.serving.merge")
 
-PAIRS = (
-    ("a_over_c", "a", "c"),
-    ("a_over_b", "a", "b"),
-    ("d_over_a", "d", "a"),
-    ("e_over_a", "e", "a"),
-    ("e_over_b", "e", "b"),
-)
+PAIRS = tuple((f"{numerator}_over_{denominator}", numerator, denominator) for numerator, denominator in RATIOS)
 
 
 def _engine_stream(payload: dict[str, Any]) -> str:

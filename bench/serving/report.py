@@ -69,6 +69,9 @@ def decode_rate(times: list[float], first: int, last: int) -> float | None:
 
 # --- across configs -----------------------------------------------------------------------------------------------
 
+# The (numerator, denominator) configs whose output tok/s ratios a run reports per concurrency, as "<n>_over_<d>".
+RATIOS = (("a", "c"), ("a", "b"), ("d", "a"), ("e", "a"), ("e", "b"), ("f", "a"))
+
 
 def ratios(rows: list[dict[str, Any]], numerator: str, denominator: str) -> dict[str, float]:
     """``numerator`` / ``denominator`` output tok/s per concurrency measured for both (warm points)."""
@@ -101,7 +104,7 @@ def agreement(reference: dict[str, list[int]], other: dict[str, list[int]]) -> d
 
 # --- plot and tables ----------------------------------------------------------------------------------------------
 
-_COLORS = {"a": "#1f77b4", "b": "#ff7f0e", "c": "#2ca02c", "d": "#d62728", "e": "#9467bd"}
+_COLORS = {"a": "#1f77b4", "b": "#ff7f0e", "c": "#2ca02c", "d": "#d62728", "e": "#9467bd", "f": "#8c564b"}
 _PANELS = (("output tok/s", "output_tok_s"), ("TTFT p50 (ms)", "ttft_p50_ms"), ("ITL p50 (ms)", "itl_p50_ms"))
 
 

@@ -14,9 +14,9 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from bench.serving.client import ClientProcess, RequestResult, describe_error, progress, stream_request
-from bench.serving.engine import ServedEngine, build_core, free_device_memory
+from bench.serving.engine import ServedEngine, build_core, free_device_memory, served_weights
 from bench.serving.report import decode_rate, offload_delta, summarize
-from bench.serving.state import CONFIGS, Bench
+from bench.serving.state import Bench
 from bench.serving.workload import random_ids, requests_per_point
 from m3stack.engine import kernel_compiles
 
@@ -63,7 +63,7 @@ async def run_config(bench: Bench, name: str, share_s: float) -> None:
     """Cold request, then one closed-loop point per concurrency, within ``share_s`` seconds."""
     args, w = bench.args, bench.workload
     end = min(time.monotonic() + share_s - TEARDOWN_S, bench.deadline)
-    base = {"config": name, "attention": bench.attention(name), "offload": CONFIGS[name][1]}
+    base = bench.row_fields(name)
     done: set[int] = set()
     served: ServedEngine | None = None
     try:
@@ -78,7 +78,8 @@ async def run_config(bench: Bench, name: str, share_s: float) -> None:
         base = bench.describe(name, config)
         logger.info("config %s: building the engine (%s)", name, bench.extra["engines"][name])
         async with progress(f"config {name}", lambda: "building the engine (KV cache, CUDA graphs)"):
-            served = await ServedEngine(await asyncio.to_thread(build_core, bench, config)).__aenter__()
+            served = await ServedEngine(await asyncio.to_thread(build_core, bench, name, config)).__aenter__()
+        bench.extra["weights"][name] = served_weights(served.core.runner.model)
         prefix = w.prefix()
         tokens = bench.tokens.setdefault(name, {})
         async with asyncio.timeout(max(0.0, end - time.monotonic())):
@@ -197,8 +198,7 @@ async def run_long(bench: Bench, name: str, share_s: float) -> None:
     args = bench.args
     context, new_tokens = args.long_context, args.long_output_tokens
     end = min(time.monotonic() + share_s - TEARDOWN_S, bench.deadline)
-    row: dict[str, Any] = {"config": name, "attention": bench.attention(name), "offload": CONFIGS[name][1],
-                           "phase": "long", "concurrency": 1, "context": context}  # fmt: skip
+    row: dict[str, Any] = {**bench.row_fields(name), "phase": "long", "concurrency": 1, "context": context}
     cold = next((r for r in bench.rows if r["config"] == name and r.get("phase") == "cold"), None)
     # Prefill grows between linearly (MLPs) and quadratically (attention, the MSA indexer) with the context.
     predicted = cold["ttft_p50_ms"] / 1e3 * (context / bench.workload.prompt_tokens) ** 1.5 if cold else 0.0
@@ -213,7 +213,7 @@ async def run_long(bench: Bench, name: str, share_s: float) -> None:
         config = bench.engine_config(name, max_num_seqs=1, max_model_len=max_len, device_blocks=blocks,
                                      host_blocks=blocks)  # fmt: skip
         row.update(bench.describe(f"{name}-long", config))
-        served = await ServedEngine(await asyncio.to_thread(build_core, bench, config)).__aenter__()
+        served = await ServedEngine(await asyncio.to_thread(build_core, bench, name, config)).__aenter__()
         prompt = random_ids(random.Random(f"{args.seed}-long"), context, bench.workload.token_limit)
         before = await served.stats()
         misses_before = await served.engine.run_on_engine_thread(_graph_misses)

@@ -25,12 +25,25 @@ if TYPE_CHECKING:
 logger = logging.getLogger("bench.serving")
 
 FINAL_S = 2.0  # kept back from the whole budget: the last write
-CONFIGS = {  # name -> (attention, CPU KV offload, fp8 k-index and KV cache)
-    "a": ("msa", False, False),
-    "b": ("dense", False, False),
-    "c": ("naive", False, False),
-    "d": ("msa", True, False),
-    "e": ("msa", False, True),  # a with --index-dtype fp8_e4m3 --kv-cache-dtype fp8_e4m3
+
+
+@dataclasses.dataclass(frozen=True)
+class ConfigSpec:
+    """How a config's engine differs from the others'."""
+
+    attention: str  # "msa" (``--msa-attention``), "dense" or "naive"
+    offload: bool = False  # CPU KV offload
+    fp8_caches: bool = False  # fp8 k-index and KV cache (--index-dtype / --kv-cache-dtype fp8_e4m3)
+    mxfp8_weights: bool = False  # the model's linears in MXFP8, quantized from the bf16 ones (engine.mxfp8_copy)
+
+
+CONFIGS = {
+    "a": ConfigSpec("msa"),
+    "b": ConfigSpec("dense"),
+    "c": ConfigSpec("naive"),
+    "d": ConfigSpec("msa", offload=True),
+    "e": ConfigSpec("msa", fp8_caches=True),
+    "f": ConfigSpec("msa", mxfp8_weights=True),
 }
 # What a run measures unless --configs says otherwise.
 DEFAULT_CONFIGS = ["a", "b", "c", "d"]
@@ -87,7 +100,7 @@ class Bench:
         from m3stack.engine.offload.layout import host_bytes_per_block
 
         offload_gb = 0.0
-        if CONFIGS[name][1]:  # the engine caps prefill chunks to what its device pool can place
+        if CONFIGS[name].offload:  # the engine caps prefill chunks to what its device pool can place
             device_blocks = self.offload_device_blocks()
             spec = self.model.kv_cache_spec(self.dtype)
             offload_gb = self.args.offload_gb or (host_blocks + 1) * host_bytes_per_block(spec) / 2**30
@@ -96,20 +109,28 @@ class Bench:
                             max_model_len=max_model_len, num_kv_blocks=device_blocks, attention=self.attention(name),
                             kv_offload_gb=offload_gb, seed=self.args.seed,
                             msa_shared_page_scan=self.args.shared_page_scan,
-                            index_dtype="fp8_e4m3" if CONFIGS[name][2] else "auto",
-                            kv_cache_dtype="fp8_e4m3" if CONFIGS[name][2] else "auto")  # fmt: skip
+                            index_dtype="fp8_e4m3" if CONFIGS[name].fp8_caches else "auto",
+                            kv_cache_dtype="fp8_e4m3" if CONFIGS[name].fp8_caches else "auto")  # fmt: skip
 
     def attention(self, name: str) -> str:
-        attention = CONFIGS[name][0]
+        attention = CONFIGS[name].attention
         return self.args.msa_attention if attention == "msa" else attention
+
+    def weights(self, name: str) -> str:
+        """The format of config ``name``'s weights: ``mxfp8``, or the model dtype."""
+        return "mxfp8" if CONFIGS[name].mxfp8_weights else str(self.dtype).removeprefix("torch.")
+
+    def row_fields(self, name: str) -> dict[str, Any]:
+        """The fields naming config ``name`` in each of its rows."""
+        return {"config": name, "attention": self.attention(name), "offload": CONFIGS[name].offload,
+                "weights": self.weights(name)}  # fmt: skip
 
     def describe(self, name: str, config: EngineConfig) -> dict[str, Any]:
         """The row fields naming the config, and (in ``extra["engines"]``) its settings that differ from defaults."""
         default = EngineConfig()
         self.extra["engines"][name] = {f.name: getattr(config, f.name) for f in dataclasses.fields(config)
                                        if getattr(config, f.name) != getattr(default, f.name)}  # fmt: skip
-        return {"config": name.removesuffix("-long"), "attention": config.attention,
-                "offload": config.kv_offload_gb > 0}  # fmt: skip
+        return self.row_fields(name.removesuffix("-long"))
 
     def record(self, row: dict[str, Any]) -> None:
         self.rows.append(row)

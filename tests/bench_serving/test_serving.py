@@ -9,12 +9,17 @@ import json
 import xml.etree.ElementTree as ET
 
 import pytest
+import torch
 
 from bench.serving.cli import main, parse_args, run
 from bench.serving.client import RequestResult
-from bench.serving.report import decode_rate, ratios, summarize, target_report
+from bench.serving.engine import mxfp8_copy
+from bench.serving.report import decode_rate, ratios, summarize, tables, target_report
 from bench.serving.runner import host_cpu_per_step, predict_point_s
 from bench.serving.workload import Workload
+from m3stack.engine.model import weights
+from m3stack.engine.model.loader import load_model
+from m3stack.engine.model.mxfp8_writer import write_mxfp8_copy
 
 PREFIX, SUFFIX, OUTPUT, BLOCK = 256, 32, 4, 16  # the tiny model's MSA blocks are 16 tokens
 SHAPES = ["--device", "cpu", "--model", "tiny", "--prefix-tokens", str(PREFIX), "--suffix-tokens", str(SUFFIX),
@@ -144,15 +149,50 @@ def test_config_weights_are_parsed_and_bad_ones_refused(capsys):
         assert "--weights" in capsys.readouterr().err
 
 
-def test_fp8_caches_config_serves_beside_the_optimized_engine(tmp_path):
-    """Config e is a over fp8 caches: every point measured, its engine settings name both fp8 dtypes, and its tokens
-    are compared with a's (fp8 K/V move them: tests/engine/model/test_fp8_cache.py bounds by how much)."""
-    run([*SHAPES, "--configs", "a,e", "--concurrency", "1", "--long-context", "0", "--budget-s", "90",
-         "--out", str(tmp_path)])  # fmt: skip
+def test_fp8_caches_and_mxfp8_weights_configs_serve_beside_the_optimized_engine(tmp_path):
+    """Config e is a over fp8 caches, f is a serving the same weights in MXFP8: every point measured, e's engine
+    settings name both fp8 dtypes, f's engine held FP8 weights with their scales, f/a is reported, and their tokens
+    are compared with a's (fp8 K/V and e4m3 weights move them: tests/engine/model/test_fp8_cache.py bounds e)."""
+    bench = run([*SHAPES, "--configs", "a,e,f", "--concurrency", "1", "--long-context", "0", "--budget-s", "120",
+                 "--out", str(tmp_path)])  # fmt: skip
     payload = json.loads((tmp_path / "serving.json").read_text())
     warm = _warm(payload["rows"])
-    assert set(warm) == {("a", 1), ("e", 1)} and all("error" not in r and r["output_tok_s"] > 0 for r in warm.values())
+    assert set(warm) == {("a", 1), ("e", 1), ("f", 1)}
+    assert all("error" not in r and r["output_tok_s"] > 0 for r in warm.values())
+    assert (warm[("a", 1)]["weights"], warm[("f", 1)]["weights"]) == ("float32", "mxfp8")
     engine = payload["engines"]["e"]
     assert engine["index_dtype"] == engine["kv_cache_dtype"] == "fp8_e4m3"
     assert "index_dtype" not in payload["engines"]["a"]
     assert payload["greedy_agreement"]["e_vs_a"]["requests"] > 0 and "e_over_a" in payload["ratios"]
+
+    # What each engine's model held: a none of MXFP8; f every quantizable linear (attention, dense MLP, shared and
+    # routed experts) as float8_e4m3fn with uint8 scales, the rest (embeddings, LM head, norms, routers) float32.
+    quantizable = [name for name, _ in bench.model.named_parameters() if weights.quantizable(name)]
+    served_a, served_f = payload["weights"]["a"], payload["weights"]["f"]
+    assert served_a["mxfp8_parameters"] == 0 and set(served_a["parameter_bytes"]) == {"float32"}
+    assert served_f["mxfp8_parameters"] == len(quantizable) > 0
+    fp8_values = sum(bench.model.get_parameter(name).numel() for name in quantizable)
+    assert served_f["parameter_bytes"]["float8_e4m3fn"] == fp8_values
+    assert served_f["parameter_bytes"]["uint8"] == served_f["parameter_bytes"]["float8_e4m3fn"] // 32
+    assert payload["ratios"]["f_over_a"]["1"] == warm[("f", 1)]["output_tok_s"] / warm[("a", 1)]["output_tok_s"]
+    assert "f_over_a" in tables(bench.rows, bench.extra, [1]).splitlines()[2]
+    assert payload["greedy_agreement"]["f_vs_a"]["requests"] > 0
+
+
+def test_the_mxfp8_config_serves_the_loaders_model_of_the_writers_release_copy(tiny_model_dir, tmp_path):
+    """``mxfp8_copy`` of a float model is, tensor for tensor (values, dtypes, the scales' block-major layout), the
+    model the engine loads from the MXFP8 copy ``mxfp8_writer`` writes of that model's checkpoint."""
+    cpu = torch.device("cpu")
+    model, m3 = load_model(tiny_model_dir, cpu, torch.float32)
+    ours, ours_m3 = mxfp8_copy(model, m3, cpu, torch.float32)
+    released, released_m3 = load_model(write_mxfp8_copy(tiny_model_dir, tmp_path / "mxfp8"), cpu, torch.float32)
+    assert ours_m3.quantization == released_m3.quantization is not None
+    ours_params, released_params = dict(ours.named_parameters()), dict(released.named_parameters())
+    assert ours_params.keys() == released_params.keys()
+    assert any(p.dtype == torch.float8_e4m3fn for p in ours_params.values())
+    for name, param in ours_params.items():
+        expected = released_params[name]
+        assert (param.dtype, param.shape, param.stride()) == (expected.dtype, expected.shape, expected.stride()), name
+        as_bytes = param.dtype == torch.float8_e4m3fn  # torch.equal has no float8 kernel
+        assert torch.equal(param.view(torch.uint8) if as_bytes else param,
+                           expected.view(torch.uint8) if as_bytes else expected), name  # fmt: skip
