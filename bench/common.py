@@ -12,6 +12,22 @@ from pathlib import Path
 from typing import Any
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
+# ``text_config`` of a one-layer model holding M3's MoE layer (hidden 6144, 128 experts of 3072 rows, top-8, a
+# 3072-row shared expert): the layer bench.mxfp8_moe and bench.moe_routing time.
+M3_MOE = {
+    "vocab_size": 200064,
+    "hidden_size": 6144,
+    "num_hidden_layers": 1,
+    "layer_types": ["full_attention"],
+    "mlp_layer_types": ["sparse"],
+    "num_attention_heads": 64,
+    "num_key_value_heads": 4,
+    "head_dim": 128,
+    "intermediate_size": 3072,
+    "shared_intermediate_size": 3072,
+    "num_local_experts": 128,
+    "num_experts_per_tok": 8,
+}
 
 logger = logging.getLogger(__name__)
 

@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from bench.common import cuda_time_us, markdown_table, write_results
+from bench.common import M3_MOE, cuda_time_us, markdown_table, write_results
 from m3stack.engine.distributed.layers import ShardedMoE
 from m3stack.engine.model.config import parse_config
 from m3stack.engine.model.moe import MoE, combine_expert_rows, combine_expert_rows_eager
@@ -34,20 +34,6 @@ from m3stack.engine.model.moe import MoE, combine_expert_rows, combine_expert_ro
 logger = logging.getLogger("bench.moe_routing")
 
 WORLD = 8
-M3_MOE = {
-    "vocab_size": 200064,
-    "hidden_size": 6144,
-    "num_hidden_layers": 1,
-    "layer_types": ["full_attention"],
-    "mlp_layer_types": ["sparse"],
-    "num_attention_heads": 64,
-    "num_key_value_heads": 4,
-    "head_dim": 128,
-    "intermediate_size": 3072,
-    "shared_intermediate_size": 3072,
-    "num_local_experts": 128,
-    "num_experts_per_tok": 8,
-}
 TOKENS = [16, 64, 128, 256, 512, 1024, 4096, 8192]
 COLUMNS = [
     "tokens",

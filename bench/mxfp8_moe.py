@@ -34,7 +34,7 @@ from typing import Any
 
 import torch
 
-from bench.common import cuda_time_us, markdown_table, write_results
+from bench.common import M3_MOE, cuda_time_us, markdown_table, write_results
 from m3stack.engine.distributed.layers import ShardedMoE
 from m3stack.engine.model import mxfp8, mxfp8_kernels
 from m3stack.engine.model.config import TextConfig, parse_config
@@ -44,19 +44,6 @@ from m3stack.engine.model.mxfp8_kernels import Tiles
 logger = logging.getLogger("bench.mxfp8_moe")
 
 COPY_CEILING_TBPS = 4.27
-M3_MOE = {
-    "hidden_size": 6144,
-    "num_hidden_layers": 1,
-    "layer_types": ["full_attention"],
-    "mlp_layer_types": ["sparse"],
-    "num_attention_heads": 64,
-    "num_key_value_heads": 4,
-    "head_dim": 128,
-    "intermediate_size": 3072,
-    "shared_intermediate_size": 3072,
-    "num_local_experts": 128,
-    "num_experts_per_tok": 8,
-}
 DECODE_TOKENS = [1, 2, 4, 8, 16, 32, 64]
 PREFILL_TOKENS = [512, 2048, 8192]
 RANK_TOKENS = [1, 8, 64, 8192]
