@@ -143,6 +143,13 @@ def stages(results_dir: Path, selected: set[str] | None) -> list[Stage]:
         Stage("mxfp8_moe", bench("mxfp8_moe", "--budget-s", "30", "--tokens", "1,4,16,64,512,2048,8192",
                                  "--rank-tokens", "8,8192"), 60),
         pytest_stage("mxfp8_tests", ["test_mxfp8.py"], 200),
+        # Issue 29 item 5, not run yet: the serving benchmark's model in BF16 (a) and MXFP8 (f) in the same run, with
+        # dense MLPs and with MoE layers (bench/README.md, "MXFP8 weights (config f)").
+        *[Stage(f"serving_af_mxfp8{suffix}", bench("serving", "--name", f"serving_af_mxfp8{suffix}", *moe, "--budget-s",
+                                                 "540", "--configs", "a,f", "--concurrency", "1,2,4,8,16,32,64",
+                                                 "--output-tokens", "512", "--requests-per-point", "2",
+                                                 "--long-context", "0"), 570)
+          for suffix, moe in (("", ()), ("_moe", ("--moe",)))],
         # 2 GPUs (kind nvidia-h200-x2): one process per test, one after the other, so a hung NCCL group cannot
         # take the next test down with it.
         # The first bf16 test pays FlashInfer's JIT compilation of the M3-dims kernels (~100 s on a fresh machine).
