@@ -12,6 +12,7 @@ from m3stack.engine.attention.reference import ReferenceAttentionBackend
 from m3stack.engine.kv_cache.tensors import INDEX_DTYPES, KV_CACHE_DTYPES, KVCacheSpec, LayerKVCache
 from m3stack.engine.model.config import M3Config
 from m3stack.engine.msa.launch import triton_interpreted
+from m3stack.engine.msa.metrics import MsaMonitor
 from m3stack.engine.offload.device import DeviceOffload
 
 logger = logging.getLogger(__name__)
@@ -52,6 +53,7 @@ def make_attention_backend(
     mode: str = "auto",
     offload: DeviceOffload | None = None,
     shared_page_scan: bool = False,
+    monitor: MsaMonitor | None = None,
 ) -> AttentionBackend:
     """The one place that picks the attention implementation (``--attention``, see ``ATTENTION_MODES``).
 
@@ -60,12 +62,13 @@ def make_attention_backend(
     the device gets (the cache then has no index keys: ``dense_kv_spec``).  ``naive`` is the
     plain-PyTorch reference backend on any device.  ``auto``: ``msa`` on cuda, ``naive`` on cpu.
     ``shared_page_scan`` has the GPU backend's decode indexer scan pages that several requests share once for them
-    (``EngineConfig.msa_shared_page_scan``).
+    (``EngineConfig.msa_shared_page_scan``).  ``monitor`` times the MSA indexer (``engine.msa.metrics``).
     """
     if mode not in ATTENTION_MODES:
         raise ValueError(f"unknown attention mode {mode!r}; choose from {', '.join(ATTENTION_MODES)}")
     text = config.text
-    selection = {"topk_blocks": text.index_topk_blocks, "local_blocks": text.index_local_blocks, "offload": offload}
+    selection = {"topk_blocks": text.index_topk_blocks, "local_blocks": text.index_local_blocks, "offload": offload,
+                 "monitor": monitor}  # fmt: skip
     kernels = device.type == "cuda" if mode in ("auto", "dense") else mode == "msa"
     if mode == "msa" and not (device.type == "cuda" or triton_interpreted()):
         raise ValueError("--attention msa runs the Triton/FlashInfer kernels: it needs --device cuda")

@@ -29,6 +29,7 @@ from m3stack.engine.kv_cache.manager import KVCacheManager
 from m3stack.engine.kv_cache.tensors import KVCacheSpec, allocate_kv_cache
 from m3stack.engine.model.config import M3Config
 from m3stack.engine.model.model import M3ForServing
+from m3stack.engine.msa.metrics import MsaMonitor
 from m3stack.engine.offload.layout import TierSizes
 from m3stack.engine.runtime.cuda_graphs import DecodeGraphs, GraphPeers
 from m3stack.engine.runtime.encoder_cache import EncoderCache
@@ -141,8 +142,9 @@ class _Parts:
             kv_caches = allocate_kv_cache(self.spec, num_blocks, self.device)
             kv_manager = KVCacheManager(num_blocks, block_size, config.enable_prefix_caching)
         device_offload = offload.device if offload is not None else None
+        msa = self._msa_monitor()
         backend = make_attention_backend(kv_caches, self.m3, self.device, mode=config.attention, offload=device_offload,
-                                         shared_page_scan=config.msa_shared_page_scan)  # fmt: skip
+                                         shared_page_scan=config.msa_shared_page_scan, monitor=msa)  # fmt: skip
         if self.rank_zero is not None:
             backend = self.rank_zero.backend_wrapper(backend)
         info = _model_info(config, self.model_path, self.m3, max_model_len, block_size, num_blocks, self.dtype,
@@ -168,14 +170,23 @@ class _Parts:
                                   max_model_len=max_model_len, peers=peers)  # fmt: skip
         runner = ModelRunner(self.model, backend, encoder_cache, block_size=block_size,
                              vocab_size=self.m3.text.vocab_size, device=self.device, dtype=self.dtype,
-                             decode_graphs=graphs, offload=device_offload,
+                             decode_graphs=graphs, offload=device_offload, msa=msa,
                              max_num_seqs=config.max_num_seqs)  # fmt: skip
         async_scheduling = config.async_scheduling
         if async_scheduling is None:
             async_scheduling = self.device.type == "cuda"
         grammars = GrammarCompiler(Path(self.model_path) / "tokenizer.json", info.vocab_size, info.eos_token_ids)
         return EngineCore(info, scheduler, runner, async_scheduling=async_scheduling, offload=device_offload,
-                          grammars=grammars)  # fmt: skip
+                          msa=msa, grammars=grammars)  # fmt: skip
+
+    def _msa_monitor(self) -> MsaMonitor | None:
+        """The MSA layers' counters, when the cache has MSA layers (none with ``--attention dense``)."""
+        num_msa_layers = sum(self.spec.sparse_layers)
+        if not num_msa_layers:
+            return None
+        text = self.m3.text
+        return MsaMonitor(num_msa_layers=num_msa_layers, block_size=self.spec.block_size,
+                          topk_blocks=text.index_topk_blocks, device=self.device)  # fmt: skip
 
 
 def _num_kv_blocks(config: EngineConfig, spec: KVCacheSpec, device: torch.device, parts: _Parts) -> int:

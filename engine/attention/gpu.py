@@ -20,6 +20,10 @@ With CPU KV offload (``offload``, an ``engine.offload.device.DeviceOffload``) pa
 blocks: decode steps resolve the selected ones to hot-buffer pages between the indexer and the attention,
 prefill steps run requests with host blocks on a working set, and a request with host blocks that adds
 several tokens sends the step's MSA layers to the prefill path.
+
+With a ``monitor`` (``engine.msa.metrics.MsaMonitor``) the indexer is timed (CUDA events on sampled eager steps, the
+wall clock on the CPU): phase ``decode`` for the decode indexer (its scan only where the attention merges the lists),
+``prefill`` for the prefill indexer.
 """
 
 import logging
@@ -45,6 +49,7 @@ from m3stack.engine.msa.decode_index import MAX_DECODE_COLUMNS, NewKeys, decode_
 from m3stack.engine.msa.decode_plan import DecodePlanBuffers, SparseDecodePlan, SparseDecodeShape, plan_sparse_decode
 from m3stack.engine.msa.decode_tuning import DecodeTuning
 from m3stack.engine.msa.launch import use_triton
+from m3stack.engine.msa.metrics import MsaMonitor, index_scan
 from m3stack.engine.msa.paged_attention import PageRows, decode_slicing, paged_attention
 from m3stack.engine.msa.prefill_attention import sparse_prefill
 from m3stack.engine.msa.prefill_index import prefill_index_topk
@@ -111,6 +116,7 @@ class GpuAttentionBackend:
         use_flashinfer: bool | None = None,
         decode_tuning: DecodeTuning | None = None,
         offload: "DeviceOffload | None" = None,
+        monitor: MsaMonitor | None = None,
     ) -> None:
         if not kv_caches:
             raise ValueError("GpuAttentionBackend needs at least one layer's KV cache")
@@ -125,6 +131,7 @@ class GpuAttentionBackend:
         self.num_q_heads = num_q_heads
         self.decode_tuning = decode_tuning or DecodeTuning()
         self.offload = offload
+        self.monitor = monitor  # times the indexer (engine.msa.metrics)
         self._index_head_dim = sparse_layer.index_key.shape[2] if sparse_layer is not None else None
         # FlashInfer attends in half precision at a few head dims only; other caches take the Triton paths.
         half = first.key.dtype in (torch.float16, torch.bfloat16)
@@ -280,19 +287,23 @@ class GpuAttentionBackend:
             selects = (tuning.selects_in_attention(metadata.num_requests) and self.offload is None
                        and step.sparse_flashinfer is None)  # fmt: skip
             scan = tuning.scan_for(metadata.num_requests, fp8_index, unmerged=selects)
-            if selects:
-                unmerged = scan_index_pages(index_q, cache.index_key, metadata, step.decode, scan, new_keys,
-                                            cache.index_key_scale)  # fmt: skip
+            if selects:  # the attention merges the scan's lists: the scan alone is timed
+                with index_scan(self.monitor, "decode", q.shape[0]):
+                    unmerged = scan_index_pages(index_q, cache.index_key, metadata, step.decode, scan, new_keys,
+                                                cache.index_key_scale)  # fmt: skip
                 return select_and_attend(q, cache.key, cache.value, unmerged, metadata, step.decode, scale,
                                          tuning.triton_attention)  # fmt: skip
-            decode_index_topk(index_q, cache.index_key, metadata, step.decode, scan, new_keys, cache.index_key_scale)
+            with index_scan(self.monitor, "decode", q.shape[0]):
+                decode_index_topk(index_q, cache.index_key, metadata, step.decode, scan, new_keys,
+                                  cache.index_key_scale)  # fmt: skip
             if self.offload is not None:
                 self.offload.resolve_decode(layer, step.decode, metadata)
             return sparse_decode_attention(q, cache.key, cache.value, step.decode, metadata.positions,
                                            metadata.page_table, scale, step.sparse_flashinfer,
                                            triton_config=tuning.triton_attention)  # fmt: skip
-        selection = prefill_index_topk(index_q, cache.index_key, metadata, self.topk_blocks, self.local_blocks,
-                                       index_key_scale=cache.index_key_scale)  # fmt: skip
+        with index_scan(self.monitor, "prefill", q.shape[0]):
+            selection = prefill_index_topk(index_q, cache.index_key, metadata, self.topk_blocks, self.local_blocks,
+                                           index_key_scale=cache.index_key_scale)  # fmt: skip
         if self.offload is not None:
             return self.offload.sparse_prefill(layer, q, selection, metadata, scale)
         return sparse_prefill(q, cache.key, cache.value, selection, metadata, scale)

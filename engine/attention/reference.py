@@ -11,6 +11,9 @@ slices sized so that one slice's score matrix (query heads x rows x context, flo
 With CPU KV offload (``offload``, an ``engine.offload.device.DeviceOffload``), an MSA layer reads the keys and
 values of a request with host blocks through ``offload.reference_kv``: decode tokens through the hot buffer,
 longer slices straight from host memory.
+
+With a ``monitor`` (``engine.msa.metrics.MsaMonitor``) each MSA layer's indexer runs (block scores and top-k of
+the decode requests, then of the prefill requests) are timed.
 """
 
 from dataclasses import dataclass
@@ -20,6 +23,7 @@ import torch
 
 from m3stack.engine.kv_cache.metadata import AttentionMetadata
 from m3stack.engine.kv_cache.tensors import LayerKVCache, dequantize_index_keys
+from m3stack.engine.msa.metrics import PHASES, MsaMonitor, Phase, index_scan
 from m3stack.engine.msa.reference import dense_causal_attention, index_block_topk, sparse_attention
 from m3stack.engine.msa.store import store_kv
 
@@ -38,6 +42,15 @@ class _RequestView:
     pages: torch.Tensor  # [ceil(seq_len / B)] page ids
     q_positions: torch.Tensor  # [query_len] int64
 
+    @property
+    def num_tokens(self) -> int:
+        return self.rows.stop - self.rows.start
+
+    @property
+    def phase(self) -> Phase:
+        """How ``engine.msa.metrics`` counts the request's tokens: one new token is decode."""
+        return "decode" if self.num_tokens == 1 else "prefill"
+
 
 class ReferenceAttentionBackend:
     """``AttentionBackend`` over ``kv_caches`` (one ``LayerKVCache`` per layer, from ``allocate_kv_cache``).
@@ -53,11 +66,13 @@ class ReferenceAttentionBackend:
         topk_blocks: int,
         local_blocks: int,
         offload: "DeviceOffload | None" = None,
+        monitor: MsaMonitor | None = None,
     ) -> None:
         self.kv_caches = kv_caches
         self.topk_blocks = topk_blocks
         self.local_blocks = local_blocks
         self.offload = offload
+        self.monitor = monitor  # times the indexer (engine.msa.metrics)
         self._metadata: AttentionMetadata | None = None
         self._requests: list[_RequestView] = []
 
@@ -100,24 +115,42 @@ class ReferenceAttentionBackend:
     ) -> torch.Tensor:
         cache = self._store(layer, k, v, index_k)
         block_size = cache.key.shape[2]
+        selections = self._select(cache, index_q, q.shape[1])
         out = torch.empty_like(q)
         scale = q.shape[-1] ** -0.5
-        for row, request in enumerate(self._requests):
+        for row, (request, slices) in enumerate(zip(self._requests, selections, strict=True)):
             offloaded = self.offload is not None and self.offload.has_host_blocks(row)
             keys, values = (None, None) if offloaded else self._gather_kv(cache, request)
-            scales = None if cache.index_key_scale is None else cache.index_key_scale[request.pages].flatten(0, 1)
-            index_keys = cache.index_key[request.pages].flatten(0, 1)
-            index_keys = dequantize_index_keys(index_keys, scales)[: request.seq_len]
-            for rows, local in _row_slices(request, q.shape[1]):
+            for (rows, local), selected in zip(_row_slices(request, q.shape[1]), slices, strict=True):
                 positions = request.q_positions[local]
-                selected = index_block_topk(
-                    index_q[rows], index_keys, positions, block_size, self.topk_blocks, self.local_blocks
-                )
                 if offloaded:
                     keys, values = self.offload.reference_kv(layer, row, request.pages, request.seq_len, selected)
                 attended = sparse_attention(q[rows], keys, values, positions, selected, block_size, scale)
                 out[rows] = attended.to(q.dtype)
         return out
+
+    def _select(self, cache: LayerKVCache, index_q: torch.Tensor, num_heads: int) -> list[list[torch.Tensor]]:
+        """Each request's block selection per row slice (``_row_slices`` of ``num_heads`` query heads).  The indexer
+        runs of decode requests (one new token) and of prefill requests are timed apart."""
+        block_size = cache.key.shape[2]
+        selections: list[list[torch.Tensor]] = [[] for _ in self._requests]
+        for phase in PHASES:
+            in_phase = [r for r, request in enumerate(self._requests) if request.phase == phase]
+            if not in_phase:
+                continue
+            with index_scan(self.monitor, phase, sum(self._requests[r].num_tokens for r in in_phase)):
+                for r in in_phase:
+                    request = self._requests[r]
+                    scales = (None if cache.index_key_scale is None
+                              else cache.index_key_scale[request.pages].flatten(0, 1))  # fmt: skip
+                    index_keys = cache.index_key[request.pages].flatten(0, 1)
+                    index_keys = dequantize_index_keys(index_keys, scales)[: request.seq_len]
+                    selections[r] = [
+                        index_block_topk(index_q[rows], index_keys, request.q_positions[local], block_size,
+                                         self.topk_blocks, self.local_blocks)
+                        for rows, local in _row_slices(request, num_heads)
+                    ]  # fmt: skip
+        return selections
 
     def _store(self, layer: int, k: torch.Tensor, v: torch.Tensor, index_k: torch.Tensor | None) -> LayerKVCache:
         if self._metadata is None:

@@ -15,6 +15,7 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
+from m3stack.engine.msa.metrics import MsaStats
 from m3stack.engine.offload.metrics import OffloadStats
 from m3stack.engine.runtime.errors import DuplicateRequestError, EngineError, InvalidRequestError
 from m3stack.engine.runtime.grammar import GrammarCompiler
@@ -23,6 +24,7 @@ from m3stack.engine.runtime.request import Request, RequestOutput, SampledToken
 from m3stack.engine.runtime.scheduler import Scheduler, SchedulerOutput
 
 if TYPE_CHECKING:
+    from m3stack.engine.msa.metrics import MsaMonitor
     from m3stack.engine.offload.device import DeviceOffload
 
 logger = logging.getLogger(__name__)
@@ -65,6 +67,7 @@ class EngineStats:
     encoder_cache_misses: int
     num_steps: int
     offload: OffloadStats | None = None  # CPU KV offload's counters, when it is on
+    msa: MsaStats | None = None  # MSA's selected blocks and index scan times, when the engine runs MSA layers
 
     @property
     def prefix_hit_rate(self) -> float:
@@ -95,6 +98,7 @@ class EngineCore:
         *,
         async_scheduling: bool = False,
         offload: "DeviceOffload | None" = None,
+        msa: "MsaMonitor | None" = None,
         grammars: GrammarCompiler | None = None,
     ) -> None:
         self.info = info
@@ -102,6 +106,7 @@ class EngineCore:
         self.runner = runner
         self.async_scheduling = async_scheduling
         self.offload = offload
+        self.msa = msa
         self.num_steps = 0
         self._in_flight: tuple[SchedulerOutput, Any] | None = None
         self.grammars = grammars
@@ -235,4 +240,5 @@ class EngineCore:
             encoder_cache_misses=encoder.misses,
             num_steps=self.num_steps,
             offload=self.offload.stats() if self.offload is not None else None,
+            msa=self.msa.stats() if self.msa is not None else None,
         )

@@ -46,6 +46,7 @@ from m3stack.engine.runtime.sampler import DeviceSample, SamplingBatch, build_sa
 from m3stack.engine.runtime.scheduler import SchedulerOutput
 
 if TYPE_CHECKING:
+    from m3stack.engine.msa.metrics import MsaMonitor
     from m3stack.engine.offload.device import DeviceOffload
 
 logger = logging.getLogger(__name__)
@@ -107,6 +108,7 @@ class ModelRunner:
         dtype: torch.dtype,
         decode_graphs: DecodeGraphs | None = None,
         offload: "DeviceOffload | None" = None,
+        msa: "MsaMonitor | None" = None,
         max_num_seqs: int = 256,
     ) -> None:
         self.model = model
@@ -118,6 +120,7 @@ class ModelRunner:
         self.dtype = dtype
         self.decode_graphs = decode_graphs
         self.offload = offload  # CPU KV offload: spills and hot-buffer handles before each forward
+        self.msa = msa  # counts the blocks each step's MSA layers select
         self.num_graph_steps = 0
         self.num_eager_steps = 0
         # Pure-decode steps that ran eagerly although graphs were captured (the step did not fit them): each
@@ -147,6 +150,8 @@ class ModelRunner:
         host = build_host_inputs(out, self.block_size)
         if self.offload is not None:
             self.offload.before_step([s.request.request_id for s in out.requests], np.diff(host.query_start_loc))
+        if self.msa is not None:
+            self.msa.count_step(host.query_start_loc, host.seq_lens)
         events = self._events()
         targets = prompt_logprob_targets(out, host.query_start_loc)
         logits, prepare_s, prompt_logprobs = self._forward(host, start, events[0] if events else None, targets)

@@ -6,7 +6,8 @@ dashboards, KEDA/HPA examples and the Gateway API inference extension's endpoint
 for vLLM read an m3stack engine as they are.  The intervals follow vLLM's definitions
 (``docs/design/metrics.md``): queue = arrival to the most recent scheduling, prefill = that to the
 first token, decode = first to last token, inference = prefill + decode.  What only m3stack has
-(CPU KV offload, step times, draining) stays under ``m3stack_engine_``.
+(CPU KV offload, MSA's selected blocks and index scan times, step times, draining) stays under
+``m3stack_engine_``.
 
 Counters that mirror the core's cumulative statistics advance by the difference since the previous
 step.  Finished requests are also handed to ``on_finished`` listeners (trace spans).
@@ -19,6 +20,7 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+from m3stack.engine.msa.metrics import PHASES, MsaStats
 from m3stack.engine.offload.metrics import OffloadStats
 from m3stack.engine.runtime.engine_core import EngineStats, StepReport
 from m3stack.engine.runtime.request import Request, RequestOutput
@@ -156,6 +158,7 @@ class EngineMetrics(StepObserver):
             registry=r,
         )
         self.offload = OffloadMetrics(r)
+        self.msa = MsaMetrics(r)
         self.on_finished: list[Callable[[FinishedRequest], None]] = []
         self._tracked: dict[str, _Tracked] = {}
         self._previous = EngineStats(0, 0, 0.0, 0, 0, 0, 0, 0, 0, 0)
@@ -242,7 +245,24 @@ class EngineMetrics(StepObserver):
         self.mm_queries.inc(hits + stats.encoder_cache_misses - previous.encoder_cache_misses)
         if stats.offload is not None:
             self.offload.update(stats.offload)
+        if stats.msa is not None:
+            self.msa.update(stats.msa)
         self._previous = stats
+
+
+class CounterDeltas:
+    """Prometheus counters that follow cumulative fields of a statistics dataclass: each ``update`` adds what a field
+    gained since the previous one (never a negative step, which a counter cannot take)."""
+
+    def __init__(self, counters: dict[str, Any]) -> None:  # field name -> a counter or a labelled child
+        self._counters = counters
+        self._previous: dict[str, float] = dict.fromkeys(counters, 0)
+
+    def update(self, stats: object) -> None:
+        for field, counter in self._counters.items():
+            value = getattr(stats, field)
+            counter.inc(max(0, value - self._previous[field]))
+            self._previous[field] = value
 
 
 class OffloadMetrics:
@@ -263,9 +283,9 @@ class OffloadMetrics:
     )
 
     def __init__(self, registry: CollectorRegistry) -> None:
-        self._counters = {
-            field: Counter(f"m3stack_engine_{name}", text, registry=registry) for field, name, text in self._COUNTERS
-        }
+        self._counters = CounterDeltas(
+            {field: Counter(f"m3stack_engine_{name}", text, registry=registry) for field, name, text in self._COUNTERS}
+        )
         self.hot_buffers = Gauge(
             "m3stack_engine_offload_hot_buffers", "Requests holding a GPU hot buffer for host blocks", registry=registry
         )
@@ -274,12 +294,39 @@ class OffloadMetrics:
             "Fraction of the pinned host KV pool's blocks in use (1 = full)",
             registry=registry,
         )
-        self._previous: OffloadStats | None = None
 
     def update(self, stats: OffloadStats) -> None:
         self.hot_buffers.set(stats.hot_buffers)
         self.host_usage.set(stats.host_blocks_used / stats.host_blocks if stats.host_blocks else 0.0)
-        for field, counter in self._counters.items():
-            before = getattr(self._previous, field) if self._previous is not None else 0
-            counter.inc(max(0, getattr(stats, field) - before))
-        self._previous = stats
+        self._counters.update(stats)
+
+
+class MsaMetrics:
+    """MSA's own counters (``engine.msa.metrics.MsaStats``), by ``phase`` (prefill, decode).  PromQL derives the
+    fraction of visible blocks attended (selected / candidate) and the mean scan time (seconds / scans, or per
+    token and layer: seconds / tokens).  They stay at zero on an engine without MSA layers (``--attention dense``)."""
+
+    _COUNTERS = (
+        ("selected_blocks", "msa_selected_blocks",
+         "KV blocks MSA layers selected, summed over query tokens and MSA layers (each index head selects as many)"),
+        ("candidate_blocks", "msa_candidate_blocks",
+         "KV blocks those query tokens could see in MSA layers (what dense attention reads)"),
+        ("index_scan_seconds", "msa_index_scan_seconds",
+         "Time of the timed MSA index scans (scores and block top-k; GPU time of sampled eager steps on CUDA)"),
+        ("timed_index_scans", "msa_timed_index_scans", "MSA index scans timed (GPU: one MSA layer of one step)"),
+        ("timed_index_scan_tokens", "msa_timed_index_scan_tokens", "Query tokens the timed MSA index scans scored"),
+    )  # fmt: skip
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        families = {
+            field: Counter(f"m3stack_engine_{name}", text, ["phase"], registry=registry)
+            for field, name, text in self._COUNTERS
+        }
+        self._phases = {
+            phase: CounterDeltas({field: family.labels(phase=phase) for field, family in families.items()})
+            for phase in PHASES
+        }
+
+    def update(self, stats: MsaStats) -> None:
+        for phase, counters in self._phases.items():
+            counters.update(getattr(stats, phase))
