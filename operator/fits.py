@@ -3,16 +3,22 @@
 The operator never reads the checkpoint (it lies on a volume only the pods mount), so it knows the released M3
 checkpoints by name (``m3stack.sizing.KNOWN_CHECKPOINTS``: ``model.path``'s or ``model.name``'s last part is
 ``MiniMax-M3`` or ``MiniMax-M3-MXFP8``) and GPUs by ``accelerator.product`` (``NVIDIA-H200``, ``NVIDIA-B200``).
-With both known it sizes one engine (``parallelism.tensor`` GPUs; ``--max-model-len`` and
-``--gpu-memory-utilization`` from ``engine.extraArgs``, the KV dtypes and CPU offload from ``engine.kvCache``) as
-the engine will before loading; otherwise the condition is Unknown and says what it lacks, and the engine's own
-check (which reads the checkpoint) is the one that refuses.
+With both known it sizes one engine (``parallelism.tensor`` GPUs; ``engine.maxModelLen`` and
+``engine.gpuMemoryUtilization``, the KV dtypes and CPU offload from ``engine.kvCache``) as the engine will before
+loading; otherwise the condition is Unknown and says what it lacks, and the engine's own check (which reads the
+checkpoint) is the one that refuses.
+
+A resource may still give the context and utilization as ``--max-model-len`` / ``--gpu-memory-utilization`` in
+``engine.extraArgs`` (the only way before the fields existed): those are read where the field is unset.  Never
+both: the CRD refuses a field together with its flag in extraArgs (``spec_schema``), so the value sized here is
+the one the engine runs with.
 """
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import TypeVar
 
-from m3stack.operator.spec import M3Deployment
+from m3stack.operator.spec import Engine, M3Deployment
 from m3stack.sizing import (
     DEFAULT_MEMORY_UTILIZATION,
     KNOWN_CHECKPOINTS,
@@ -29,6 +35,7 @@ INSUFFICIENT_GPU_MEMORY = "InsufficientGPUMemory"
 UNKNOWN_MODEL = "UnknownModel"
 UNKNOWN_ACCELERATOR = "UnknownAccelerator"
 CPU_ENGINES = "CPUEngines"
+N = TypeVar("N", int, float)
 
 
 @dataclass(frozen=True)
@@ -54,8 +61,9 @@ def assess_fit(m3d: M3Deployment) -> Fit:
     deployment = Deployment(
         gpus=engine.tensor_parallel,
         gpu_memory_bytes=memory,
-        memory_utilization=_number(engine.extra_args, "--gpu-memory-utilization", float) or DEFAULT_MEMORY_UTILIZATION,
-        max_model_len=_max_model_len(engine.extra_args),
+        memory_utilization=_setting(engine, engine.gpu_memory_utilization, "--gpu-memory-utilization", float)
+        or DEFAULT_MEMORY_UTILIZATION,
+        max_model_len=_setting(engine, engine.max_model_len, "--max-model-len", int),
         kv_bytes=1 if engine.kv_cache_dtype == "fp8_e4m3" else 2,
         fp8_index=engine.index_dtype == "fp8_e4m3",
         cpu_offload_bytes=engine.cpu_offload_bytes * engine.multi_node.size,  # each pod's, over the engine's pods
@@ -69,9 +77,9 @@ def assess_fit(m3d: M3Deployment) -> Fit:
     return Fit("True", MODEL_FITS, message) if sizing.fits else Fit("False", INSUFFICIENT_GPU_MEMORY, message)
 
 
-def _max_model_len(args: Sequence[str]) -> int | None:
-    value = _number(args, "--max-model-len", int)
-    return None if value is None else int(value)
+def _setting(engine: Engine, field: N | None, flag: str, parse: Callable[[str], N]) -> N | None:
+    """The engine's field, else its flag in extraArgs, else None (the engine's own default)."""
+    return field if field is not None else _number(engine.extra_args, flag, parse)
 
 
 def _flag(args: Sequence[str], name: str) -> str | None:
@@ -85,7 +93,7 @@ def _flag(args: Sequence[str], name: str) -> str | None:
     return value
 
 
-def _number(args: Sequence[str], name: str, parse: type[int] | type[float]) -> float | None:
+def _number(args: Sequence[str], name: str, parse: Callable[[str], N]) -> N | None:
     """A numeric flag of ``args``; None when absent or not a number (the engine refuses that itself)."""
     value = _flag(args, name)
     try:

@@ -115,6 +115,8 @@ class Engine:
     tensor_parallel: int
     expert_parallel: bool
     multi_node: MultiNode
+    max_model_len: int | None  # the engine's --max-model-len; None: unset, the engine's own default
+    gpu_memory_utilization: float | None  # the engine's --gpu-memory-utilization; None: unset, likewise
     resources: Resources
     cpu_offload_bytes: int
     index_dtype: str  # the engine's --index-dtype
@@ -288,6 +290,8 @@ def _engine(raw: Mapping[str, Any]) -> Engine:
         tensor_parallel=raw["parallelism"]["tensor"],
         expert_parallel=raw["parallelism"]["expert"],
         multi_node=MultiNode(size=raw["multiNode"]["size"], rendezvous_port=raw["multiNode"]["rendezvousPort"]),
+        max_model_len=raw.get("maxModelLen"),
+        gpu_memory_utilization=None if "gpuMemoryUtilization" not in raw else float(raw["gpuMemoryUtilization"]),
         resources=_resources(raw["resources"]),
         cpu_offload_bytes=int(parse_quantity(raw["kvCache"]["cpuOffload"]["size"])),
         index_dtype=raw["kvCache"]["indexDtype"],

@@ -20,6 +20,7 @@ from m3stack.operator.schema import (
     string,
     string_map,
 )
+from m3stack.sizing import DEFAULT_CONTEXT, DEFAULT_MEMORY_UTILIZATION
 
 # spec.gateway.routing.policy -> the gateway's --routing choice.
 ROUTING_POLICIES = {"PrefixAware": "prefix-aware", "LeastInflight": "least-inflight"}
@@ -128,6 +129,20 @@ def _env() -> Schema:
         max_items=64,
         list_type="map",
         map_keys=["name"],
+    )
+
+
+def _not_also_in_extra_args(field: str, flag: str) -> Schema:
+    """Refuses an engine field together with its flag in extraArgs.  Refused rather than resolved: the flag on
+    the command line wins over the ConfigMap variable the field renders (``m3stack.options``), so the field
+    would silently lose, and the Fits condition could not tell which value the engine runs with.  The API
+    server names both when they are written; a flag in extraArgs alone stays valid (resources written before
+    the field existed)."""
+    return rule(
+        f"!has(self.{field}) || !has(self.extraArgs) "
+        f"|| !self.extraArgs.exists(a, a == '{flag}' || a.startsWith('{flag}='))",
+        f"set engine.{field} or {flag} in engine.extraArgs, not both",
+        field_path=f".{field}",
     )
 
 
@@ -319,6 +334,22 @@ ENGINE_SCHEMA = obj(
             },
             default={},
         ),
+        # No CRD default on these two: a default written into every stored object would clash with the same flag
+        # in extraArgs (refused below) and hide that the engine's own default applies.
+        "maxModelLen": integer(
+            "Context limit per request, prompt plus output tokens (the engine's --max-model-len); longer requests "
+            "are refused with context_length_exceeded. Unset: the model's own limit, capped by what the KV cache "
+            f"holds (the Fits condition then checks room for {DEFAULT_CONTEXT} tokens).",
+            minimum=1,
+        ),
+        "gpuMemoryUtilization": number(
+            "Fraction of each GPU's memory the engine may fill with weights, activations and the KV cache (the "
+            "engine's --gpu-memory-utilization); what is left after weights and activations is the KV cache, "
+            f"unless --kv-cache-gb in extraArgs sizes it. Unset: the engine's default, {DEFAULT_MEMORY_UTILIZATION}.",
+            minimum=0,
+            maximum=1,
+            exclusive_minimum=True,
+        ),
         "resources": _resources(
             "Engine container CPU and memory (the device count comes from accelerator; the memory request and "
             "limit grow by kvCache.cpuOffload.size).",
@@ -387,6 +418,8 @@ ENGINE_SCHEMA = obj(
     default={},
     rules=[
         rule("self.grpcPort != self.metricsPort", "engine.grpcPort and engine.metricsPort must differ"),
+        _not_also_in_extra_args("maxModelLen", "--max-model-len"),
+        _not_also_in_extra_args("gpuMemoryUtilization", "--gpu-memory-utilization"),
         rule(
             "self.multiNode.size > 1 || self.accelerator.count == 0 "
             "|| self.parallelism.tensor <= self.accelerator.count",

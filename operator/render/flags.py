@@ -8,6 +8,7 @@ tests/operator/test_flags.py parses both with the real ``m3stack`` parser: a fla
 component's cli.py fails that test, not a pod at startup.
 """
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TypeVar
 
@@ -91,13 +92,17 @@ def gateway_args(m3d: M3Deployment) -> list[str]:
 
 
 def engine_settings(m3d: M3Deployment) -> dict[str, str]:
-    """Tunables of the engine, flag -> value."""
+    """Tunables of the engine, flag -> value; a field left unset renders nothing (the engine's own default)."""
+    engine = m3d.spec.engine
     return {
         "--served-model-name": m3d.spec.model.name,
         # The engine's own drain deadline after SIGTERM; terminationGracePeriodSeconds leaves room for it.
-        "--drain-timeout": str(m3d.spec.engine.drain.shutdown_timeout_seconds),
-        "--index-dtype": m3d.spec.engine.index_dtype,
-        "--kv-cache-dtype": m3d.spec.engine.kv_cache_dtype,
+        "--drain-timeout": str(engine.drain.shutdown_timeout_seconds),
+        "--index-dtype": engine.index_dtype,
+        "--kv-cache-dtype": engine.kv_cache_dtype,
+        **_set_only(
+            {"--max-model-len": engine.max_model_len, "--gpu-memory-utilization": engine.gpu_memory_utilization}
+        ),
     }
 
 
@@ -125,8 +130,13 @@ def gateway_settings(m3d: M3Deployment, defaults: GatewayDefaults = GATEWAYS_OWN
         "--served-model-name": m3d.spec.model.name,
         "--routing": ROUTING_POLICIES[gateway.routing_policy],
         "--drain-timeout": str(gateway.drain.shutdown_timeout_seconds),
-        **{flag: str(value) for flag, value in chosen.items() if value is not None},
+        **_set_only(chosen),
     }
+
+
+def _set_only(chosen: Mapping[str, object]) -> dict[str, str]:
+    """The settings with a value, as text; None is left out, so the process's own default applies."""
+    return {flag: str(value) for flag, value in chosen.items() if value is not None}
 
 
 def _first_set(own: T | None, default: T | None) -> T | None:

@@ -110,6 +110,7 @@ def test_defaults_of_a_minimal_spec_are_the_designed_ones():
     assert engine["drain"] == {"preStopSeconds": 15, "shutdownTimeoutSeconds": 300}
     assert engine["startup"] == {"timeoutSeconds": 1800}
     assert engine["kvCache"] == {"cpuOffload": {"size": "0"}, "indexDtype": "auto", "dtype": "auto"}
+    assert "maxModelLen" not in engine and "gpuMemoryUtilization" not in engine, "left to the engine's own defaults"
     assert engine["shmSize"] == "16Gi"
     assert spec["gateway"]["replicas"] == 2
     assert spec["gateway"]["port"] == 8000

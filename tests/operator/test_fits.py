@@ -1,5 +1,6 @@
 """The Fits condition from an M3Deployment's spec: the released checkpoints by name, GPUs by product, the
-engine's flags that size its KV cache; and the Warning event the first False brings."""
+engine's fields (or, where unset, its flags in extraArgs) that size its KV cache; and the Warning event the first
+False brings."""
 
 import pytest
 
@@ -29,7 +30,17 @@ def _fit(path: str, engine: dict, name: str = "m3"):
         ),
         # Eight GPUs in the pod but one engine GPU (parallelism.tensor 1): what the engine would use.
         ("/models/MiniMax-M3", {**FOUR_H200, "parallelism": {"tensor": 1}}, "False", "InsufficientGPUMemory"),
-        # 512K of bf16 KV does not fit beside the MXFP8 weights; an fp8 cache does.
+        # 512K of bf16 KV does not fit beside the MXFP8 weights in 0.9 of the GPUs; in all of them it does.
+        ("/models/MiniMax-M3-MXFP8", {**FOUR_H200, "maxModelLen": 524288}, "False", "InsufficientGPUMemory"),
+        (
+            "/models/MiniMax-M3-MXFP8",
+            {**FOUR_H200, "maxModelLen": 524288, "gpuMemoryUtilization": 1},
+            "True",
+            "ModelFits",
+        ),
+        # Half of each GPU does not hold the MXFP8 weights, even at the default context.
+        ("/models/MiniMax-M3-MXFP8", {**FOUR_H200, "gpuMemoryUtilization": 0.5}, "False", "InsufficientGPUMemory"),
+        # The same settings as flags in extraArgs (resources written before the fields): an fp8 cache fits 512K.
         (
             "/models/MiniMax-M3-MXFP8",
             {**FOUR_H200, "extraArgs": ["--max-model-len", "524288"]},
@@ -59,6 +70,19 @@ def _fit(path: str, engine: dict, name: str = "m3"):
 def test_fit_by_release_gpu_and_flags(path: str, engine: dict, status: str, reason: str) -> None:
     fit = _fit(path, engine)
     assert (fit.status, fit.reason) == (status, reason), fit.message
+
+
+@pytest.mark.parametrize(
+    "engine",
+    [
+        {**FOUR_H200, "maxModelLen": 131072, "gpuMemoryUtilization": 0.75},
+        {**FOUR_H200, "extraArgs": ["--max-model-len=131072", "--gpu-memory-utilization", "0.75"]},
+    ],
+    ids=["fields", "extra-args"],
+)
+def test_the_context_and_utilization_sized_are_the_engines(engine: dict) -> None:
+    message = _fit("/models/MiniMax-M3-MXFP8", engine).message
+    assert "(0.75 usable = " in message and " for 131072 tokens" in message, message
 
 
 def test_a_release_named_by_the_served_name_and_the_figures_in_the_message() -> None:

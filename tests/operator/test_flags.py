@@ -32,6 +32,8 @@ SPEC = {
         "metricsPort": 9401,
         "accelerator": {"count": 2},
         "drain": {"shutdownTimeoutSeconds": 123},
+        "maxModelLen": 131072,
+        "gpuMemoryUtilization": 0.85,
         "extraArgs": ["--port", "6001"],
     },
     "gateway": {
@@ -44,8 +46,8 @@ SPEC = {
 }
 
 
-def _rendered(make_m3d, images, component: str) -> tuple[list[str], dict[str, str]]:
-    children = {(child["kind"], child["metadata"]["name"]): child for child in render_children(make_m3d(SPEC), images)}
+def _rendered(make_m3d, images, component: str, spec: dict = SPEC) -> tuple[list[str], dict[str, str]]:
+    children = {(child["kind"], child["metadata"]["name"]): child for child in render_children(make_m3d(spec), images)}
     (container,) = children[("Deployment", f"demo-{component}")]["spec"]["template"]["spec"]["containers"]
     return container["args"], children[("ConfigMap", "demo-config")]["data"]
 
@@ -83,6 +85,15 @@ def test_the_engine_understands_its_pod(make_m3d, images, monkeypatch):
     assert (parsed.host, parsed.port, parsed.metrics_port) == ("0.0.0.0", 6001, 9401)
     assert parsed.served_model_name == "m3-prod"
     assert parsed.drain_timeout == 123
+    assert (parsed.max_model_len, parsed.gpu_memory_utilization) == (131072, 0.85)
+
+
+def test_unset_engine_sizing_fields_leave_the_engines_own_defaults(make_m3d, images, monkeypatch):
+    engine = {key: value for key, value in SPEC["engine"].items() if key not in ("maxModelLen", "gpuMemoryUtilization")}
+    args, data = _rendered(make_m3d, images, "engine", {**SPEC, "engine": engine})
+    assert not {env_name("engine", "--max-model-len"), env_name("engine", "--gpu-memory-utilization")} & set(data)
+    parsed = _parse(args, data, monkeypatch)
+    assert (parsed.max_model_len, parsed.gpu_memory_utilization) == (None, 0.9)
 
 
 def test_the_gateway_understands_its_pod(make_m3d, images, monkeypatch):

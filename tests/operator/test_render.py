@@ -3,6 +3,7 @@
 import copy
 import math
 
+import pytest
 import yaml
 
 from m3stack.operator.quantity import parse_quantity
@@ -260,13 +261,26 @@ def test_a_setting_change_rolls_only_the_pods_that_read_it(make_m3d, images):
     )
 
 
-def test_the_cache_dtypes_reach_the_engine_and_roll_only_its_pods(make_m3d, images):
-    fp8 = {"engine": {"kvCache": {"indexDtype": "fp8_e4m3", "dtype": "fp8_e4m3"}}}
-    data = _by_kind(render_children(make_m3d(fp8), images))[("ConfigMap", "demo-config")]["data"]
-    assert data["M3STACK_ENGINE_INDEX_DTYPE"] == data["M3STACK_ENGINE_KV_CACHE_DTYPE"] == "fp8_e4m3"
+@pytest.mark.parametrize(
+    ("engine", "variables"),
+    [
+        (
+            {"kvCache": {"indexDtype": "fp8_e4m3", "dtype": "fp8_e4m3"}},
+            {"M3STACK_ENGINE_INDEX_DTYPE": "fp8_e4m3", "M3STACK_ENGINE_KV_CACHE_DTYPE": "fp8_e4m3"},
+        ),
+        (
+            {"maxModelLen": 262144, "gpuMemoryUtilization": 0.8},
+            {"M3STACK_ENGINE_MAX_MODEL_LEN": "262144", "M3STACK_ENGINE_GPU_MEMORY_UTILIZATION": "0.8"},
+        ),
+    ],
+    ids=["cache-dtypes", "context-and-memory"],
+)
+def test_engine_sizing_fields_reach_the_engine_and_roll_only_its_pods(make_m3d, images, engine, variables):
+    data = _by_kind(render_children(make_m3d({"engine": engine}), images))[("ConfigMap", "demo-config")]["data"]
+    assert {name: data[name] for name in variables} == variables
     engine_hash, gateway_hash = _hashes(make_m3d(), images)
-    fp8_engine_hash, fp8_gateway_hash = _hashes(make_m3d(fp8), images)
-    assert fp8_engine_hash != engine_hash and fp8_gateway_hash == gateway_hash
+    new_engine_hash, new_gateway_hash = _hashes(make_m3d({"engine": engine}), images)
+    assert new_engine_hash != engine_hash and new_gateway_hash == gateway_hash
 
 
 def test_user_environment_and_extra_args_come_last_and_win(make_m3d, images):

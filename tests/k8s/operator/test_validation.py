@@ -36,6 +36,18 @@ INVALID: list[tuple[str, dict[str, Any], str]] = [
     ("bad-routing", {"gateway": {"routing": {"policy": "Random"}}}, 'Unsupported value: "Random"'),
     ("utilization-over-one", {"autoscaling": {"engine": {"targetUtilization": 1.5}}},
      "should be less than or equal to 1"),
+    ("zero-context", {"engine": {"maxModelLen": 0}},
+     "spec.engine.maxModelLen in body should be greater than or equal to 1"),
+    ("fractional-context", {"engine": {"maxModelLen": 1.5}}, "spec.engine.maxModelLen in body must be of type int32"),
+    ("zero-memory-utilization", {"engine": {"gpuMemoryUtilization": 0}},
+     "spec.engine.gpuMemoryUtilization in body should be greater than 0"),
+    ("memory-utilization-over-one", {"engine": {"gpuMemoryUtilization": 1.5}},
+     "spec.engine.gpuMemoryUtilization in body should be less than or equal to 1"),
+    ("context-field-and-flag", {"engine": {"maxModelLen": 4096, "extraArgs": ["--max-model-len", "8192"]}},
+     "set engine.maxModelLen or --max-model-len in engine.extraArgs, not both"),
+    ("memory-utilization-field-and-flag",
+     {"engine": {"gpuMemoryUtilization": 0.8, "extraArgs": ["--gpu-memory-utilization=0.95"]}},
+     "set engine.gpuMemoryUtilization or --gpu-memory-utilization in engine.extraArgs, not both"),
     ("env-value-and-source",
      {"engine": {"env": [{"name": "A", "value": "1", "valueFrom": {"fieldRef": {"fieldPath": "x"}}}]}},
      "set value or valueFrom, not both"),
@@ -86,6 +98,17 @@ def test_a_valid_resource_is_accepted_and_defaulted(kube, chart):
     assert spec["gateway"]["routing"]["policy"] == "PrefixAware"
     assert spec["engine"]["kernelCache"] == {}  # the pod's /tmp unless a claim is named
     assert _create(kube, m3deployment("cached", {"engine": {"kernelCache": {"claimName": "kernels"}}})) == ""
+
+
+def test_engine_sizing_as_fields_or_as_flags_is_accepted(kube, chart):
+    sized = {"maxModelLen": 131072, "gpuMemoryUtilization": 1, "extraArgs": ["--max-num-seqs", "32"]}
+    assert _create(kube, m3deployment("sized", {"engine": sized})) == ""
+    stored = kube.json("get", "m3d", "sized")["spec"]["engine"]
+    assert (stored["maxModelLen"], stored["gpuMemoryUtilization"]) == (131072, 1)
+    flags = ["--max-model-len", "131072", "--gpu-memory-utilization=0.85"]
+    assert _create(kube, m3deployment("flagged", {"engine": {"extraArgs": flags}})) == ""
+    assert _create(kube, m3deployment("unsized")) == ""
+    assert not {"maxModelLen", "gpuMemoryUtilization"} & set(kube.json("get", "m3d", "unsized")["spec"]["engine"])
 
 
 def test_scaling_through_the_subresource_is_validated_too(kube, chart):
