@@ -27,9 +27,12 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
 
 
 def build_parser() -> argparse.ArgumentParser:
+    # No abbreviated flags: the operator reads some engine flags out of an M3Deployment's extraArgs (and refuses
+    # them beside the CRD field that sets the same thing), which an abbreviation would slip past.
     parser = argparse.ArgumentParser(
         prog="m3stack",
         description="Serve MiniMax-M3-class models on Kubernetes or on one machine.",
+        allow_abbrev=False,
     )
     parser.add_argument("--version", action="version", version=f"m3stack {__version__}")
     parser.add_argument("--log-level", default=None, help="DEBUG, INFO, WARNING or ERROR [env: M3STACK_LOG_LEVEL]")
@@ -42,7 +45,7 @@ def build_parser() -> argparse.ArgumentParser:
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for name, (module_name, summary) in SUBCOMMANDS.items():
         module = importlib.import_module(module_name)
-        sub = subparsers.add_parser(name, help=summary, description=module.__doc__)
+        sub = subparsers.add_parser(name, help=summary, description=module.__doc__, allow_abbrev=False)
         module.add_arguments(OptionGroup(sub, name))
         sub.set_defaults(_run=module.run)
     return parser

@@ -31,6 +31,12 @@ def test_bad_flag_value_exits_2_with_a_clear_message():
     assert "--port" in result.stderr and "1..65535" in result.stderr
 
 
+def test_an_abbreviated_flag_is_refused():
+    result = _m3stack("engine", "--max-model", "4096")
+    assert result.returncode == 2
+    assert "unrecognized arguments: --max-model" in result.stderr
+
+
 @pytest.mark.parametrize("flag", ["--index-dtype", "--kv-cache-dtype"])
 def test_a_cache_dtype_the_engine_cannot_store_exits_2_naming_the_choices(flag):
     result = _m3stack("engine", flag, "fp16")
