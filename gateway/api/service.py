@@ -9,8 +9,9 @@ import asyncio
 import logging
 import time
 import uuid
-from collections.abc import AsyncGenerator, Sequence
+from collections.abc import AsyncGenerator, Awaitable, Sequence
 from dataclasses import replace
+from typing import TypeVar
 
 from pydantic import BaseModel
 from starlette.requests import Request
@@ -58,6 +59,7 @@ logger = logging.getLogger(__name__)
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 # /tokenize before any engine reported its context: no length check, media get any budget.
 UNKNOWN_CONTEXT = 2**31 - 1
+T = TypeVar("T")
 
 
 class CompletionService:
@@ -175,7 +177,7 @@ class CompletionService:
                     request_id, prompt.token_ids, prompt.mm_items, sampling, request, first_choice, metadata
                 )
             )
-        streams = await self._open_all(prompts, batches)
+        streams = await _unless_client_leaves(self._open_all(prompts, batches), http_request)
         self._metrics.prompt_tokens.inc(sum(len(prompt.token_ids) for prompt in prompts))
         runs = [
             ChoiceRun(
@@ -311,6 +313,34 @@ def num_prompts(request: CompletionRequest) -> int:
 def token_id_text(token_id: int) -> str:
     """``return_tokens_as_token_ids``: logprobs name tokens ``token_id:N`` (vLLM's form), unambiguous."""
     return f"token_id:{token_id}"
+
+
+async def _unless_client_leaves(opening: Awaitable[T], http_request: Request) -> T:
+    """``opening``'s result, or a 499 once the client hangs up: until its first token a request may wait long in an
+    engine's queue or prefill, and nothing else reads the connection then.  Cancelling the opening aborts its engine
+    requests (``Dispatcher`` abandons calls whose first response it was waiting for)."""
+    task = asyncio.current_task()
+    assert task is not None
+    state = {"waiting": True, "left": False}
+
+    def on_disconnect(watcher: asyncio.Task[None]) -> None:
+        # Runs on a later turn of the loop: the opening may have returned by then.
+        if state["waiting"] and not watcher.cancelled():
+            state["left"] = True
+            task.cancel()
+
+    watcher = asyncio.get_running_loop().create_task(_wait_for_disconnect(http_request))
+    watcher.add_done_callback(on_disconnect)
+    try:
+        return await opening
+    except asyncio.CancelledError:
+        if not state["left"]:
+            raise
+        task.uncancel()
+        raise APIError(CLIENT_CLOSED_REQUEST, "the client closed the connection", type="client_disconnected") from None
+    finally:
+        state["waiting"] = False
+        watcher.cancel()
 
 
 async def _wait_for_disconnect(http_request: Request) -> None:

@@ -6,7 +6,7 @@ import socket
 import httpx
 import pytest
 
-from tests.helpers.serving import series, total
+from tests.helpers.serving import StreamRunner, series, total
 
 pytestmark = pytest.mark.xdist_group("gateway_api")
 
@@ -66,4 +66,28 @@ def test_leaving_a_non_streamed_request_aborts_it_too(gateway, engine, model_nam
         client.sendall(head.encode() + body)
         wait_until(lambda: gateway_inflight(gateway, engine, model_name) == 1, 30, "the request to reach the engine")
     wait_until(lambda: aborted(engine) == aborted_before + 1, 30, "the engine to abort")
+    wait_until(lambda: gateway_inflight(gateway, engine, model_name) == 0, 30, "the gateway to let go")
+
+
+def test_leaving_before_the_first_token_aborts_the_waiting_request(stack, model_name, wait_until):
+    """A client that hangs up while its request still waits for its first token (here in the engine's queue,
+    behind a stream on an engine that runs one sequence at a time) aborts it there and then: the engine never
+    prefills it.  The gateway used to notice only once the first token came, after the work it no longer needed."""
+    engine = stack.engine("--max-num-seqs", "1")
+    gateway = stack.gateway([engine], "--media-workers", "0")
+    running_stream = StreamRunner(gateway.client(), model_name, "Count forever:", 200)
+    running_stream.start()
+    wait_until(lambda: running_stream.chunks > 0, 60, "the first stream to run")
+    prefilled_before, aborted_before = total(engine.metrics(), "vllm:prompt_tokens_total"), aborted(engine)
+    url = httpx.URL(gateway.base_url)
+    body = long_request(model_name, False)
+    head = (f"POST /v1/completions HTTP/1.1\r\nHost: {url.host}:{url.port}\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {len(body)}\r\n\r\n")  # fmt: skip
+    with socket.create_connection((url.host, url.port), timeout=30) as client:
+        client.sendall(head.encode() + body)
+        wait_until(lambda: total(engine.metrics(), "vllm:num_requests_waiting") == 1, 30, "the request to queue")
+    wait_until(lambda: aborted(engine) == aborted_before + 1, 30, "the engine to abort the waiting request")
+    running_stream.join(120)
+    assert running_stream.error is None and running_stream.finish_reason == "length"
+    assert total(engine.metrics(), "vllm:prompt_tokens_total") == prefilled_before
     wait_until(lambda: gateway_inflight(gateway, engine, model_name) == 0, 30, "the gateway to let go")
