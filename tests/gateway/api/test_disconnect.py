@@ -1,7 +1,9 @@
 """A client that goes away aborts its engine request: visible in the engine's own metrics."""
 
+import contextlib
 import json
 import socket
+from collections.abc import Iterator
 
 import httpx
 import pytest
@@ -22,6 +24,19 @@ def running(engine) -> float:
 def long_request(model_name: str, stream: bool) -> bytes:
     body = {"model": model_name, "prompt": "Count forever:", "max_tokens": 240, "stream": stream, "ignore_eos": True}
     return json.dumps(body).encode()
+
+
+@contextlib.contextmanager
+def sent_non_streamed(gateway, model_name: str) -> Iterator[None]:
+    """A long non-streamed request on a raw socket, closed when the block ends (an HTTP client's read timeout
+    leaves at no chosen moment)."""
+    url = httpx.URL(gateway.base_url)
+    body = long_request(model_name, False)
+    head = (f"POST /v1/completions HTTP/1.1\r\nHost: {url.host}:{url.port}\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {len(body)}\r\n\r\n")  # fmt: skip
+    with socket.create_connection((url.host, url.port), timeout=30) as client:
+        client.sendall(head.encode() + body)
+        yield
 
 
 def gateway_inflight(gateway, engine, model_name: str) -> float:
@@ -55,15 +70,10 @@ def test_closing_a_stream_aborts_the_engine_request(gateway, engine, model_name,
 
 
 def test_leaving_a_non_streamed_request_aborts_it_too(gateway, engine, model_name, wait_until):
-    """The client hangs up as soon as its request runs on the engine (a raw socket: an HTTP client's read
-    timeout left too late on a fast machine, after the engine had finished the 240 tokens)."""
+    """The client hangs up as soon as its request runs on the engine (an HTTP client's read timeout left too late
+    on a fast machine, after the engine had finished the 240 tokens)."""
     aborted_before = aborted(engine)
-    url = httpx.URL(gateway.base_url)
-    body = long_request(model_name, False)
-    head = (f"POST /v1/completions HTTP/1.1\r\nHost: {url.host}:{url.port}\r\nContent-Type: application/json\r\n"
-            f"Content-Length: {len(body)}\r\n\r\n")  # fmt: skip
-    with socket.create_connection((url.host, url.port), timeout=30) as client:
-        client.sendall(head.encode() + body)
+    with sent_non_streamed(gateway, model_name):
         wait_until(lambda: gateway_inflight(gateway, engine, model_name) == 1, 30, "the request to reach the engine")
     wait_until(lambda: aborted(engine) == aborted_before + 1, 30, "the engine to abort")
     wait_until(lambda: gateway_inflight(gateway, engine, model_name) == 0, 30, "the gateway to let go")
@@ -79,12 +89,7 @@ def test_leaving_before_the_first_token_aborts_the_waiting_request(stack, model_
     running_stream.start()
     wait_until(lambda: running_stream.chunks > 0, 60, "the first stream to run")
     prefilled_before, aborted_before = total(engine.metrics(), "vllm:prompt_tokens_total"), aborted(engine)
-    url = httpx.URL(gateway.base_url)
-    body = long_request(model_name, False)
-    head = (f"POST /v1/completions HTTP/1.1\r\nHost: {url.host}:{url.port}\r\nContent-Type: application/json\r\n"
-            f"Content-Length: {len(body)}\r\n\r\n")  # fmt: skip
-    with socket.create_connection((url.host, url.port), timeout=30) as client:
-        client.sendall(head.encode() + body)
+    with sent_non_streamed(gateway, model_name):
         wait_until(lambda: total(engine.metrics(), "vllm:num_requests_waiting") == 1, 30, "the request to queue")
     wait_until(lambda: aborted(engine) == aborted_before + 1, 30, "the engine to abort the waiting request")
     running_stream.join(120)
