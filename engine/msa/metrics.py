@@ -6,27 +6,35 @@ position ``p`` sees ``p // B + 1`` blocks (its candidates, what dense attention 
 selects ``min(K, p // B + 1)`` of them (docs/msa.md#semantics), so counting costs no device work and covers
 CUDA-graph replays.  A request adding one token in a step counts as decode, any other as prefill.
 
-Index scan times bracket the indexer of one MSA layer (scores and block top-k): on CUDA with events, on one
-eager step in ``sample_every`` of those that run the indexer, because events cannot be timed inside a replayed
-CUDA graph and recording them around every layer would slow the step; elsewhere (CPU) with the wall clock around
-every scan, which is synchronous there.  Event pairs are read once the GPU has passed them, never waited for.
+Index scan times bracket the indexer of one MSA layer (scores and block top-k).  On the CPU the wall clock times
+every scan, which is synchronous there.  On CUDA a pair of events brackets the scans of one eager step in
+``sample_every`` among those that run the indexer (``StepSampler``): a replayed CUDA graph runs no Python, so its
+scans cannot be timed (its blocks are still counted), events recorded into a graph being captured would be illegal,
+and events around every layer of every step would slow it.  The events go on the stream of the engine's device
+that runs the scan, come from a pool and are read back once the GPU has passed them, never waited for
+(``EventTimings``, which bounds how many are in flight).  A scan during which Triton compiled a kernel is not
+timed: its events would bracket seconds of host work.  A parallel engine keeps one monitor, on rank 0, which counts
+each step once and times its own shard's scans; the other ranks have none, so nothing is counted twice.
 """
 
 import time
-from collections.abc import Iterator
-from contextlib import AbstractContextManager, contextmanager, nullcontext
-from dataclasses import asdict, dataclass
-from typing import Literal
+from collections import deque
+from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
+from dataclasses import dataclass
+from typing import Any, Generic, Literal, Protocol, TypeVar
 
 import numpy as np
 import torch
+
+from m3stack.engine import kernel_compiles
 
 Phase = Literal["prefill", "decode"]
 PHASES: tuple[Phase, ...] = ("prefill", "decode")
 # On CUDA: one eager step in this many that runs the indexer has its scans timed.
 GPU_SAMPLE_EVERY = 16
-# Timed scans the GPU may not have reached yet are read back once this many are waiting.
-_COLLECT_AT = 256
+# Timed scans waiting for the GPU to pass them, at most (a sampled step times one scan per MSA layer and phase).
+MAX_SCANS_IN_FLIGHT = 256
 
 
 @dataclass(frozen=True)
@@ -74,7 +82,7 @@ def _ranks(lengths: np.ndarray) -> np.ndarray:
     return np.arange(int(lengths.sum()), dtype=np.int64) - starts
 
 
-@dataclass
+@dataclass(slots=True)
 class _Counters:
     selected_blocks: int = 0
     candidate_blocks: int = 0
@@ -88,20 +96,160 @@ class _Counters:
         self.timed_index_scan_tokens += num_tokens
 
     def frozen(self) -> MsaPhaseStats:
-        return MsaPhaseStats(**asdict(self))
+        return MsaPhaseStats(self.selected_blocks, self.candidate_blocks, self.index_scan_seconds,
+                             self.timed_index_scans, self.timed_index_scan_tokens)  # fmt: skip
 
 
-@dataclass(frozen=True)
-class _PendingScan:
+class StepSampler:
+    """Which scans the CUDA path times: all scans of one step in ``every`` among the steps that run the indexer.
+
+    ``new_step`` marks a counted step; its first scan decides for the step.  A step that replays a CUDA graph runs no
+    scan, so it neither takes a turn nor is timed."""
+
+    def __init__(self, every: int) -> None:
+        if every < 1:
+            raise ValueError(f"sample every {every} steps: must be at least 1")
+        self.every = every
+        self._new_step = False
+        self._scanned_steps = 0
+        self._timing = False
+
+    def new_step(self) -> None:
+        self._new_step = True
+
+    def times_scan(self) -> bool:
+        if self._new_step:
+            self._new_step = False
+            self._timing = self._scanned_steps % self.every == 0
+            self._scanned_steps += 1
+        return self._timing
+
+
+class TimingEvent(Protocol):
+    """What ``EventTimings`` reads of an event (``torch.cuda.Event(enable_timing=True)``); its caller records it."""
+
+    def query(self) -> bool: ...
+
+    def elapsed_time(self, end_event: Any) -> float: ...  # milliseconds from this event to ``end_event``
+
+
+Event = TypeVar("Event", bound=TimingEvent)
+
+
+@dataclass(frozen=True, slots=True)
+class _TimedScan(Generic[Event]):
     phase: Phase
     num_tokens: int
-    start: torch.cuda.Event
-    end: torch.cuda.Event
+    start: Event
+    end: Event
+
+
+class EventTimings(Generic[Event]):
+    """The bookkeeping of scans timed by (start, end) event pairs: pairs come from a pool (``take``), a recorded pair
+    waits in order (``add``) until the device passed its end (``collect``), then its time goes to ``on_timed`` and
+    the pair back to the pool.  At most ``max_in_flight`` pairs wait: past that a scan is not timed."""
+
+    def __init__(
+        self,
+        new_event: Callable[[], Event],
+        on_timed: Callable[[Phase, float, int], None],
+        max_in_flight: int = MAX_SCANS_IN_FLIGHT,
+    ) -> None:
+        self._new_event = new_event
+        self._on_timed = on_timed
+        self.max_in_flight = max_in_flight
+        self._in_flight: deque[_TimedScan[Event]] = deque()
+        self._free: list[tuple[Event, Event]] = []
+
+    @property
+    def in_flight(self) -> int:
+        return len(self._in_flight)
+
+    def take(self) -> tuple[Event, Event] | None:
+        """A pair to record around a scan, or None when too many wait (nobody collected: an offline engine)."""
+        if len(self._in_flight) >= self.max_in_flight:
+            self.collect()
+            if len(self._in_flight) >= self.max_in_flight:
+                return None
+        if self._free:
+            return self._free.pop()
+        return self._new_event(), self._new_event()
+
+    def add(self, phase: Phase, num_tokens: int, pair: tuple[Event, Event]) -> None:
+        """A pair recorded around a scan of ``num_tokens`` query tokens."""
+        self._in_flight.append(_TimedScan(phase, num_tokens, *pair))
+
+    def give_back(self, pair: tuple[Event, Event]) -> None:
+        """A pair taken but not to be read (the scan raised, or is not to be timed)."""
+        self._free.append(pair)
+
+    def collect(self) -> None:
+        """Read the pairs the device has passed.  They were recorded in order on one stream, so the first that has
+        not passed ends the read; ``query`` never waits."""
+        while self._in_flight and self._in_flight[0].end.query():
+            scan = self._in_flight.popleft()
+            self._on_timed(scan.phase, scan.start.elapsed_time(scan.end) / 1e3, scan.num_tokens)
+            self._free.append((scan.start, scan.end))
+
+    def clear(self) -> None:
+        """Forget every pair, waiting or free (a pending event may be released: CUDA frees it once passed)."""
+        self._in_flight.clear()
+        self._free.clear()
+
+
+class _WallClockScan:
+    """Times a synchronous (CPU) scan."""
+
+    __slots__ = ("_counters", "_num_tokens", "_started")
+
+    def __init__(self, counters: _Counters, num_tokens: int) -> None:
+        self._counters = counters
+        self._num_tokens = num_tokens
+        self._started = 0.0
+
+    def __enter__(self) -> None:
+        self._started = time.perf_counter()
+
+    def __exit__(self, exc_type: type[BaseException] | None, *_: object) -> None:
+        if exc_type is None:
+            self._counters.add_scan(time.perf_counter() - self._started, self._num_tokens)
+
+
+class _EventScan:
+    """Records an event pair around a scan, on the stream of ``device`` current at its start."""
+
+    __slots__ = ("_compiles", "_device", "_num_tokens", "_pair", "_phase", "_stream", "_timings")
+
+    def __init__(self, timings: "EventTimings[torch.cuda.Event]", phase: Phase, num_tokens: int,
+                 pair: tuple[torch.cuda.Event, torch.cuda.Event], device: torch.device) -> None:  # fmt: skip
+        self._timings = timings
+        self._phase = phase
+        self._num_tokens = num_tokens
+        self._pair = pair
+        self._device = device
+        self._stream: torch.cuda.Stream | None = None
+        self._compiles = 0
+
+    def __enter__(self) -> None:
+        self._compiles = kernel_compiles.snapshot().count
+        self._stream = torch.cuda.current_stream(self._device)
+        self._pair[0].record(self._stream)
+
+    def __exit__(self, exc_type: type[BaseException] | None, *_: object) -> None:
+        if exc_type is not None or kernel_compiles.snapshot().count != self._compiles:
+            self._timings.give_back(self._pair)
+            return
+        self._pair[1].record(self._stream)
+        self._timings.add(self._phase, self._num_tokens, self._pair)
+
+
+def _new_timing_event() -> torch.cuda.Event:
+    return torch.cuda.Event(enable_timing=True)
 
 
 class MsaMonitor:
     """The counters of one engine's MSA layers: the runner counts each launched step (``count_step``), the attention
-    backend times its indexer (``index_scan``), the engine reads ``stats``."""
+    backend times its indexer (``index_scan``), the engine reads ``stats``, the warm-up ``reset``s them."""
 
     def __init__(
         self,
@@ -115,13 +263,14 @@ class MsaMonitor:
         self.num_msa_layers = num_msa_layers
         self.block_size = block_size
         self.topk_blocks = topk_blocks
-        self.uses_events = device.type == "cuda"
+        self.device = device
         self.sample_every = sample_every
         self._counters: dict[Phase, _Counters] = {phase: _Counters() for phase in PHASES}
-        self._pending: list[_PendingScan] = []
-        self._new_step = False
-        self._scanned_steps = 0
-        self._timing_step = False
+        self._sampler = StepSampler(sample_every)
+        uses_events = device.type == "cuda"
+        self._timings: EventTimings[torch.cuda.Event] | None = (
+            EventTimings(_new_timing_event, self._add_scan) if uses_events else None
+        )
 
     def count_step(self, query_start_loc: np.ndarray, seq_lens: np.ndarray) -> None:
         """Count the blocks a step's MSA layers select (its host lengths, padding excluded)."""
@@ -130,49 +279,40 @@ class MsaMonitor:
             counters = self._counters[phase]
             counters.selected_blocks += selected * self.num_msa_layers
             counters.candidate_blocks += candidates * self.num_msa_layers
-        self._new_step = True
+        self._sampler.new_step()
 
-    @contextmanager
-    def index_scan(self, phase: Phase, num_tokens: int) -> Iterator[None]:
-        """Times what runs inside as one indexer run of ``num_tokens`` query tokens, when this scan is sampled."""
-        if not self.uses_events:
-            started = time.perf_counter()
-            yield
-            self._counters[phase].add_scan(time.perf_counter() - started, num_tokens)
-            return
-        if not self._samples_scan():
-            yield
-            return
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        yield
-        end.record()
-        self._pending.append(_PendingScan(phase, num_tokens, start, end))
-        if len(self._pending) >= _COLLECT_AT:  # nobody reads the statistics (an offline engine): keep it bounded
-            self._collect()
+    def index_scan(self, phase: Phase, num_tokens: int) -> AbstractContextManager[None]:
+        """Times what runs inside as one indexer run of ``num_tokens`` query tokens, when this scan is timed.  Called
+        around every MSA layer of every eager step: a scan that is not timed allocates nothing."""
+        if self._timings is None:
+            return _WallClockScan(self._counters[phase], num_tokens)
+        # Events recorded into a CUDA graph being captured would not time its replays, and are illegal there.
+        if not self._sampler.times_scan() or torch.cuda.is_current_stream_capturing():
+            return _NOT_TIMED
+        pair = self._timings.take()
+        if pair is None:
+            return _NOT_TIMED
+        return _EventScan(self._timings, phase, num_tokens, pair, self.device)
 
-    def _samples_scan(self) -> bool:
-        if self._new_step:  # the first scan of a counted step decides for all of its scans
-            self._new_step = False
-            self._timing_step = self._scanned_steps % self.sample_every == 0
-            self._scanned_steps += 1
-        # Events recorded into a CUDA graph would not time its replays.
-        return self._timing_step and not torch.cuda.is_current_stream_capturing()
-
-    def _collect(self) -> None:
-        waiting = []
-        for scan in self._pending:
-            if scan.end.query():
-                self._counters[scan.phase].add_scan(scan.start.elapsed_time(scan.end) / 1e3, scan.num_tokens)
-            else:
-                waiting.append(scan)
-        self._pending = waiting
+    def _add_scan(self, phase: Phase, seconds: float, num_tokens: int) -> None:
+        self._counters[phase].add_scan(seconds, num_tokens)
 
     def stats(self) -> MsaStats:
-        self._collect()
+        if self._timings is not None:
+            self._timings.collect()
         return MsaStats(prefill=self._counters["prefill"].frozen(), decode=self._counters["decode"].frozen())
+
+    def reset(self) -> None:
+        """Start again from zero (after the warm-up, whose steps compile kernels and are no user's)."""
+        self._counters = {phase: _Counters() for phase in PHASES}
+        self._sampler = StepSampler(self.sample_every)
+        if self._timings is not None:
+            self._timings.clear()
+
+
+_NOT_TIMED: AbstractContextManager[None] = nullcontext()  # stateless: one serves every scan that is not timed
 
 
 def index_scan(monitor: MsaMonitor | None, phase: Phase, num_tokens: int) -> AbstractContextManager[None]:
     """``monitor.index_scan(...)``, or nothing to time without a monitor."""
-    return monitor.index_scan(phase, num_tokens) if monitor is not None else nullcontext()
+    return monitor.index_scan(phase, num_tokens) if monitor is not None else _NOT_TIMED

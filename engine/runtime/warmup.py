@@ -82,7 +82,10 @@ def warm_up(core: EngineCore, seed: int = 0) -> WarmupReport:
 
 
 def _forget(core: EngineCore) -> None:
-    """Drop what the warm-up left: its cached blocks, the prefix and preemption counters, the step count."""
+    """Drop what the warm-up left: its cached blocks, the prefix and preemption counters, the step count, MSA's
+    counters (its first timed scans would bracket the kernels' compiles)."""
     core.scheduler.kv.reset_prefix_cache()
     core.scheduler.num_preemptions = 0
     core.num_steps = 0
+    if core.msa is not None:
+        core.msa.reset()

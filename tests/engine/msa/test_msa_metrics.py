@@ -1,7 +1,13 @@
 """``engine.msa.metrics``: the host-side block counts agree with what the reference selection holds, the monitor
-times what its scans bracket, and the GPU backend (Triton interpreted) times both of its indexers in an engine."""
+times what its scans bracket, and the GPU backend (Triton interpreted) times both of its indexers in an engine.
+
+The CUDA path's bookkeeping runs here too: which steps are timed (``StepSampler``) and how event pairs are pooled,
+bounded and read back once passed (``EventTimings``, over host events that pass when the test says).  The events
+themselves, graph capture and streams are tests/gpu/test_msa_metrics.py's.
+"""
 
 import time
+from dataclasses import astuple
 
 import numpy as np
 import pytest
@@ -9,11 +15,14 @@ import torch
 
 from m3stack.engine.assembly.build import build_engine_core
 from m3stack.engine.assembly.config import EngineConfig
-from m3stack.engine.msa.metrics import MsaMonitor, index_scan, selection_counts
+from m3stack.engine.assembly.parallel import stop_parallel_engine
+from m3stack.engine.distributed.config import ParallelConfig
+from m3stack.engine.msa.metrics import EventTimings, MsaMonitor, StepSampler, index_scan, selection_counts
 from m3stack.engine.msa.reference import block_scores, index_block_topk
 from m3stack.engine.runtime import offline
 from m3stack.engine.runtime.request import SamplingParams
 from m3stack.engine.runtime.validation import build_request
+from m3stack.engine.runtime.warmup import warm_up
 
 
 def _reference_counts(query_lens: list[int], seq_lens: list[int], block_size: int, topk: int) -> dict[str, tuple]:
@@ -81,3 +90,133 @@ def test_the_gpu_backend_times_its_prefill_and_decode_indexers(tiny_model_dir, m
     assert stats.prefill.index_scan_seconds > 0 and stats.decode.index_scan_seconds > 0
     # Positions 40 and 41 see 3 blocks, all selected (top-4).
     assert stats.decode.selected_blocks == stats.decode.candidate_blocks == 3 * 2 * 3
+
+
+def test_a_scan_that_raises_is_not_timed():
+    monitor = MsaMonitor(num_msa_layers=1, block_size=16, topk_blocks=4, device=torch.device("cpu"))
+    with pytest.raises(RuntimeError), monitor.index_scan("prefill", 8):
+        raise RuntimeError("the indexer failed")
+    assert monitor.stats().prefill.timed_index_scans == 0
+
+
+def test_one_step_in_n_of_those_that_scan_is_timed_whole():
+    """Steps that replay a CUDA graph (counted, no scan) take no turn; a timed step times every layer's scan."""
+    sampler = StepSampler(every=3)
+    timed = []
+    for eager in (True, False, True, True, False, False, True, True, True):
+        sampler.new_step()
+        if eager:
+            decisions = {sampler.times_scan() for _ in range(4)}  # 4 MSA layers
+            assert len(decisions) == 1
+            timed.append(decisions.pop())
+    assert timed == [True, False, False, True, False, False]  # the 1st and 4th eager steps
+    with pytest.raises(ValueError):
+        StepSampler(every=0)
+
+
+class _HostEvent:
+    """Stands in for ``torch.cuda.Event(enable_timing=True)``: the device passes it when the test says, at a time."""
+
+    created = 0
+
+    def __init__(self) -> None:
+        _HostEvent.created += 1
+        self.passed_at_ms: float | None = None
+
+    def query(self) -> bool:
+        return self.passed_at_ms is not None
+
+    def elapsed_time(self, end_event: "_HostEvent") -> float:
+        if self.passed_at_ms is None or end_event.passed_at_ms is None:  # CUDA: cudaErrorNotReady
+            raise RuntimeError("elapsed_time of an event the device has not passed")
+        return end_event.passed_at_ms - self.passed_at_ms
+
+
+def _timings(max_in_flight: int = 8) -> tuple[EventTimings[_HostEvent], list[tuple[str, float, int]]]:
+    timed: list[tuple[str, float, int]] = []
+    timings = EventTimings(_HostEvent, lambda phase, seconds, tokens: timed.append((phase, seconds, tokens)),
+                           max_in_flight=max_in_flight)  # fmt: skip
+    return timings, timed
+
+
+def _record(timings: EventTimings[_HostEvent], phase, tokens: int) -> tuple[_HostEvent, _HostEvent]:
+    pair = timings.take()
+    assert pair is not None
+    timings.add(phase, tokens, pair)
+    return pair
+
+
+def test_event_pairs_are_read_once_passed_and_in_order():
+    timings, timed = _timings()
+    first, second = _record(timings, "prefill", 40), _record(timings, "decode", 4)
+    timings.collect()
+    assert timed == [] and timings.in_flight == 2  # nothing passed: nothing read, nothing waited for
+    first[0].passed_at_ms, first[1].passed_at_ms = 10.0, 12.5
+    second[0].passed_at_ms = 12.5
+    timings.collect()
+    assert timed == [("prefill", 0.0025, 40)] and timings.in_flight == 1
+    second[1].passed_at_ms = 13.0
+    timings.collect()
+    assert timed == [("prefill", 0.0025, 40), ("decode", 0.0005, 4)] and timings.in_flight == 0
+
+
+def test_event_pairs_are_pooled_and_those_in_flight_bounded():
+    """A step timed every 16 makes no new events once the pool holds enough, and a device that never passes them
+    (or nobody collecting) cannot grow the waiting list past its bound: the scans beyond it go untimed."""
+    timings, timed = _timings(max_in_flight=3)
+    _HostEvent.created = 0
+    pairs = [_record(timings, "decode", 1) for _ in range(3)]
+    assert timings.take() is None and timings.in_flight == 3 and _HostEvent.created == 6
+    for pair in pairs:
+        pair[0].passed_at_ms, pair[1].passed_at_ms = 0.0, 1.0
+    reused = timings.take()  # full: it reads the passed pairs back first
+    assert len(timed) == 3 and timings.in_flight == 0
+    assert reused is not None and any(reused[0] is start and reused[1] is end for start, end in pairs)
+    assert _HostEvent.created == 6
+    timings.give_back(reused)  # the scan raised: the pair goes back unread
+    assert timings.take() is reused and len(timed) == 3
+    timings.clear()
+    assert timings.take() is not reused and _HostEvent.created == 8
+
+
+def test_the_warm_up_leaves_msa_counters_at_zero(tiny_model_dir):
+    """The warm-up's steps are no user's (and on a GPU its timed scans would bracket kernel compiles): after it,
+    the counters start from zero and count a request exactly as a fresh engine's do."""
+
+    def serve(core) -> None:
+        sampling = SamplingParams(temperature=0.0, max_new_tokens=3, ignore_eos=True)
+        offline.generate(core, [build_request(core.info, "r", list(range(3, 90)), sampling)])
+
+    settings = {"model": str(tiny_model_dir), "num_kv_blocks": 256, "max_model_len": 1024}
+    fresh, warmed = build_engine_core(EngineConfig(**settings)), build_engine_core(EngineConfig(**settings))
+    warm_up(warmed)
+    stats = warmed.stats().msa
+    assert stats is not None
+    zero = (0, 0, 0.0, 0, 0)
+    assert astuple(stats.prefill) == astuple(stats.decode) == zero
+    serve(fresh)
+    serve(warmed)
+    counts = [(phase.selected_blocks, phase.candidate_blocks, phase.timed_index_scans)
+              for core in (fresh, warmed) for phase in (core.stats().msa.prefill, core.stats().msa.decode)]  # fmt: skip
+    assert counts[:2] == counts[2:] and counts[0][0] > 0
+
+
+@pytest.mark.slow
+def test_a_tensor_parallel_engine_counts_each_step_once(tiny_model_dir):
+    """Rank 0 counts and times; the other rank keeps no monitor: two ranks count what one does."""
+    settings = {"model": str(tiny_model_dir), "num_kv_blocks": 64, "max_num_batched_tokens": 64, "cpu_threads": 1}
+    sampling = SamplingParams(temperature=0.0, max_new_tokens=4, ignore_eos=True)
+    counts = []
+    for parallel in (None, ParallelConfig(tensor_parallel=2)):
+        core = build_engine_core(EngineConfig(**settings, **({"parallel": parallel} if parallel else {})))
+        try:
+            offline.generate(core, [build_request(core.info, "r", list(range(3, 150)), sampling)])
+            stats = core.stats().msa
+            assert stats is not None
+            counts.append([(p.selected_blocks, p.candidate_blocks, p.timed_index_scans, p.timed_index_scan_tokens)
+                           for p in (stats.prefill, stats.decode)])  # fmt: skip
+        finally:
+            if parallel is not None:
+                stop_parallel_engine(core)
+    assert counts[0] == counts[1]
+    assert counts[0][0][0] < counts[0][0][1]  # 150 tokens are past top-4 blocks of 16: selection is sparse
