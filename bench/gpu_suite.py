@@ -63,7 +63,7 @@ def stages(results_dir: Path, selected: set[str] | None) -> list[Stage]:
         # A fresh machine's first FlashInfer test pays its JIT build (~90 s with the other files running beside it).
         pytest_stage("pytest", ["test_model_bf16.py", "test_runtime.py", "test_msa_decode.py",
                                 "test_msa_prefill.py", "test_offload.py", "test_fused_ops.py",
-                                "test_expert_parallel.py"], 260),
+                                "test_expert_parallel.py", "test_msa_metrics.py"], 260),
         # TP=2 and TP=4 with every rank on the one GPU, too slow beside the files above.  On a fresh machine the
         # first test pays the kernels' compilation: it ran past a 150 s per-test limit once (22:03 UTC).
         pytest_stage("tp_one_gpu", ["test_tensor_parallel_one_gpu.py"], 420),
