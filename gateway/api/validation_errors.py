@@ -38,12 +38,19 @@ def validation_error_body(errors: Sequence[Any]) -> dict[str, Any]:
         message = f"The body is not valid JSON: {first.get('ctx', {}).get('error', first['msg'])}"
         return APIError(400, message, code="invalid_json").body()
     location = _strip_body(first.get("loc", ()))
-    site = next((index for index, part in enumerate(location) if _is_branch_tag(part)), None)
+    site = next(
+        (
+            index
+            for index, part in enumerate(location)
+            if _is_branch_tag(part) and len(_branches_at(errors, location[:index])) > 1
+        ),
+        None,
+    )
     if site is None:
         return _error(location, str(first["msg"]))
     prefix = location[:site]
     branches = _branches_at(errors, prefix)
-    chosen = _branch_that_took_the_shape(branches)
+    chosen = _branch_that_took_the_shape(_with_every_required_field(branches, site))
     if chosen is not None:
         tag, error = chosen
         path = [*prefix, *_without_tags(tag, _strip_body(error["loc"])[site + 1 :])]
@@ -62,7 +69,7 @@ def param_path(location: Sequence[Any]) -> str | None:
 
 
 def _error(location: Sequence[Any], text: str) -> dict[str, Any]:
-    param = param_path(location)
+    param = param_path(_without_discriminators(location))
     message = f"{param}: {text}" if param else text
     return APIError(400, message, param=param, code="invalid_value").body()
 
@@ -72,7 +79,31 @@ def _strip_body(location: Sequence[Any]) -> list[Any]:
 
 
 def _is_branch_tag(part: Any) -> bool:
-    return isinstance(part, str) and (part in _SCALAR_NOUNS or not _FIELD.match(part))
+    """A union branch's name, or else a field name or a key of a JSON object (``logit_bias``'s token ids).  Only
+    where two or more branches failed is it taken for a branch: pydantic reports every branch of a union."""
+    return isinstance(part, str) and (part in _SCALAR_NOUNS or not (_FIELD.match(part) or part.isdigit()))
+
+
+def _without_discriminators(location: Sequence[Any]) -> list[Any]:
+    """A tagged object's ``type`` value, which pydantic puts into ``loc`` before the object's own fields, left
+    out: OpenAI's tagged objects name their payload after their type (``response_format.json_schema``, whose
+    location is ``("response_format", "json_schema", "json_schema", "name")``), so it is the repeated part."""
+    return [
+        part
+        for index, part in enumerate(location)
+        if not (isinstance(part, str) and index + 1 < len(location) and location[index + 1] == part)
+    ]
+
+
+def _with_every_required_field(branches: dict[str, list[dict[str, Any]]], site: int) -> dict[str, list[dict[str, Any]]]:
+    """The object branches the value has every required field of, when there are any: a chat sent to /tokenize
+    is not a text prompt without one (``prompt: Field required``), whatever else it got wrong."""
+    complete = {
+        tag: errors
+        for tag, errors in branches.items()
+        if not any(e.get("type") == "missing" and len(_strip_body(e["loc"])) == site + 2 for e in errors)
+    }
+    return complete or branches
 
 
 def _branches_at(errors: Sequence[dict[str, Any]], prefix: list[Any]) -> dict[str, list[dict[str, Any]]]:
@@ -148,6 +179,9 @@ def _noun(tag: str) -> tuple[str, str]:
     if kind in ("list", "tuple", "set", "frozenset"):
         items = _noun(inner)[1]
         return f"an array of {items}", f"arrays of {items}"
+    if kind == "literal":  # ``literal['none','auto']``
+        values = ", ".join(value.strip() for value in inner.split(","))
+        return f"one of {values}", f"values among {values}"
     if kind == "tagged-union":
         return "an object with a known 'type'", "objects with a known 'type'"
     if kind.startswith("function-"):  # a validator around a type: ``function-after[name(), int]``

@@ -146,6 +146,17 @@ UNION_CASES = [
     ({"messages": [USER, {"role": "assistant", "tool_calls": [{"id": "c", "function": {"name": "f"}}]}]},
      "messages[1].tool_calls[0].function.arguments", "messages[1].tool_calls[0].function.arguments: Field required"),
     ({"stop": 7}, "stop", "stop: expected a string or an array of strings, got an integer"),
+    # A tagged object's type is not part of the path, nor a token id in logit_bias a union branch.
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": 5}}}, "response_format.json_schema.name",
+     "response_format.json_schema.name: Input should be a valid string"),
+    ({"response_format": {"type": "json_schema"}}, "response_format.json_schema",
+     "response_format.json_schema: Field required"),
+    ({"logit_bias": {"5": "x"}}, "logit_bias.5",
+     "logit_bias.5: Input should be a valid number, unable to parse string as a number"),
+    ({"logit_bias": {"5": "x", "6": "y"}}, "logit_bias.5",
+     "logit_bias.5: Input should be a valid number, unable to parse string as a number"),
+    ({"tool_choice": "always"}, "tool_choice",
+     "tool_choice: expected one of 'none', 'auto', 'required' or an object, got a string"),
 ]  # fmt: skip
 
 
@@ -168,3 +179,14 @@ def test_completion_prompt_unions_in_plain_words(gateway, model_name):
         body = {"model": model_name, "prompt": prompt, "max_tokens": 1}
         error = httpx.post(f"{gateway.base_url}/v1/completions", json=body, timeout=60).json()["error"]
         assert (error["param"], error["message"]) == (param, message)
+
+
+def test_a_chat_sent_to_tokenize_is_checked_as_a_chat(gateway, model_name):
+    """/tokenize takes a text prompt or a chat: a chat's error is reported, not the prompt it has no need of."""
+    image = {"type": "image_url", "image_url": {"url": 5}}
+    body = {"model": model_name, "messages": [{"role": "user", "content": [image]}]}
+    error = httpx.post(f"{gateway.base_url}/tokenize", json=body, timeout=60).json()["error"]
+    assert (error["param"], error["message"]) == (
+        "messages[0].content[0].image_url.url",
+        "messages[0].content[0].image_url.url: Input should be a valid string",
+    )
