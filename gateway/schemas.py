@@ -24,6 +24,11 @@ MAX_LOGIT_BIAS = 100
 FLOAT32_MIN_NORMAL = 1.1754943508222875e-38
 
 
+# A token id as the wire to the engines carries it.  The gateway checks ids against its vocabulary itself, and its
+# OpenAPI document states that bound in place of this one (api/openapi_document.py).
+TokenId = Annotated[int, Field(ge=0, le=UINT32_MAX)]
+
+
 class RequestModel(BaseModel):
     model_config = ConfigDict(extra="ignore", ser_json_inf_nan="null", allow_inf_nan=False)
 
@@ -257,7 +262,7 @@ class SamplingRequest(RequestModel):
         le=2,
         description="transformers' and vLLM's, over prompt and output tokens; 1 = off",
     )
-    stop_token_ids: list[Annotated[int, Field(ge=0, le=UINT32_MAX)]] | None = Field(None, max_length=64)
+    stop_token_ids: list[TokenId] | None = Field(None, max_length=64)
     ignore_eos: bool = False
     skip_special_tokens: bool = True
     priority: int = Field(0, ge=-(2**31), le=INT32_MAX, description="lower runs first among waiting requests")
@@ -293,10 +298,8 @@ class CompletionRequest(SamplingRequest):
     prompt: (
         NonEmptyText
         | Annotated[list[NonEmptyText], Field(min_length=1)]
-        | Annotated[list[Annotated[int, Field(ge=0, le=UINT32_MAX)]], Field(min_length=1)]
-        | Annotated[
-            list[Annotated[list[Annotated[int, Field(ge=0, le=UINT32_MAX)]], Field(min_length=1)]], Field(min_length=1)
-        ]
+        | Annotated[list[TokenId], Field(min_length=1)]
+        | Annotated[list[Annotated[list[TokenId], Field(min_length=1)]], Field(min_length=1)]
     )
     max_tokens: int | None = Field(16, ge=1, le=INT32_MAX)
     logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)

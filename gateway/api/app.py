@@ -21,6 +21,7 @@ from m3stack.gateway.api.auth import ApiKeys
 from m3stack.gateway.api.config import GatewayConfig
 from m3stack.gateway.api.errors import HTTP_ERROR_CODES, api_error_response, http_error_response
 from m3stack.gateway.api.fast_path import CompletionFastPath
+from m3stack.gateway.api.openapi_document import serve_with_vocabulary
 from m3stack.gateway.api.prompts import PromptBuilder
 from m3stack.gateway.api.rate_limit import ANONYMOUS_KEY, RateLimiter, charged_tokens
 from m3stack.gateway.api.request_tracking import TrackedRequest
@@ -168,6 +169,7 @@ def create_app(config: GatewayConfig, tracer: trace.Tracer | None = None) -> Fas
     app.state.gateway = state
     _install_error_handlers(app)
     _add_routes(app, state)
+    serve_with_vocabulary(app, state.tokenizer.vocab_size)
     # Middleware added last runs first: RequestGuard, then the fast path, then FastAPI's routing.
     app.add_middleware(CompletionFastPath, service=state.service)
     app.add_middleware(

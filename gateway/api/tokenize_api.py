@@ -5,7 +5,7 @@ from typing import Annotated, Any
 
 from pydantic import BaseModel, Field
 
-from m3stack.gateway.schemas import UINT32_MAX, ChatMessage, ChatTool, RequestModel
+from m3stack.gateway.schemas import ChatMessage, ChatTool, RequestModel, TokenId
 
 
 class TokenizeCompletionRequest(RequestModel):
@@ -37,7 +37,7 @@ class TokenizeResponse(BaseModel):
 
 class DetokenizeRequest(RequestModel):
     model: str | None = None
-    tokens: list[Annotated[int, Field(ge=0, le=UINT32_MAX)]]
+    tokens: list[TokenId]
 
 
 class DetokenizeResponse(BaseModel):

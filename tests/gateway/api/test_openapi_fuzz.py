@@ -91,16 +91,38 @@ REFUSED_BY_A_CHECK = [
 VALID_BODIES = {
     "/v1/chat/completions": {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1},
     "/v1/completions": {"prompt": "hi", "max_tokens": 1},
+    "/detokenize": {"tokens": [1]},
 }
 
 
+def assert_refused_by_document_and_gateway(gateway, model_name: str, path: str, change: dict, param: str) -> None:
+    document = httpx.get(f"{gateway.base_url}/openapi.json", timeout=30).json()
+    body = {"model": model_name, **VALID_BODIES[path], **change}
+    operation = document["paths"][path]["post"]["requestBody"]["content"]["application/json"]["schema"]
+    validator = jsonschema.Draft202012Validator({**operation, "components": document["components"]})
+    assert validator.is_valid({"model": model_name, **VALID_BODIES[path]}), path
+    assert not validator.is_valid(body), (path, change)
+    response = httpx.post(f"{gateway.base_url}{path}", json=body, timeout=60)
+    assert (response.status_code, response.json()["error"]["param"]) == (400, param), (change, response.text)
+
+
 def test_the_document_refuses_what_a_gateway_check_refuses(fuzz_gateway, model_name):
-    document = httpx.get(f"{fuzz_gateway.base_url}/openapi.json", timeout=30).json()
     for path, change, param in REFUSED_BY_A_CHECK:
-        body = {"model": model_name, **VALID_BODIES[path], **change}
-        operation = document["paths"][path]["post"]["requestBody"]["content"]["application/json"]["schema"]
-        validator = jsonschema.Draft202012Validator({**operation, "components": document["components"]})
-        assert validator.is_valid({"model": model_name, **VALID_BODIES[path]}), path
-        assert not validator.is_valid(body), (path, change)
-        response = httpx.post(f"{fuzz_gateway.base_url}{path}", json=body, timeout=60)
-        assert (response.status_code, response.json()["error"]["param"]) == (400, param), (change, response.text)
+        assert_refused_by_document_and_gateway(fuzz_gateway, model_name, path, change, param)
+
+
+def test_the_document_bounds_token_ids_by_the_served_vocabulary(fuzz_gateway, model_name, tokenizer):
+    """The gateway refuses a token id outside its model's vocabulary; its document says so, and takes the last one."""
+    vocab = tokenizer.vocab_size
+    for path, field, outside, inside in [
+        ("/v1/completions", "prompt", [1, vocab], [1, vocab - 1]),
+        ("/v1/completions", "prompt", [[1], [vocab]], [[1], [vocab - 1]]),
+        ("/v1/completions", "stop_token_ids", [vocab], [vocab - 1]),
+        ("/v1/chat/completions", "stop_token_ids", [vocab], [vocab - 1]),
+        ("/v1/chat/completions", "logit_bias", {str(vocab): 1}, {str(vocab - 1): 1}),
+        ("/v1/completions", "logit_bias", {str(10 * vocab): 1}, {"0": 1}),
+        ("/detokenize", "tokens", [vocab], [vocab - 1]),
+    ]:
+        assert_refused_by_document_and_gateway(fuzz_gateway, model_name, path, {field: outside}, field)
+        body = {"model": model_name, **VALID_BODIES[path], field: inside}
+        assert httpx.post(f"{fuzz_gateway.base_url}{path}", json=body, timeout=60).status_code == 200, (path, body)
