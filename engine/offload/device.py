@@ -350,6 +350,24 @@ class DeviceOffload:
             self._stats_copy = (target, event)
         return self._device_stats.numpy()
 
+    def reset_counters(self) -> None:
+        """Start the cumulative counters again from zero (after the warm-up: its steps are no user's, and its first
+        timed copies bracket kernel compiles).  Gauges of the current state (host blocks used, hot buffers) stay."""
+        self.manager.num_spilled_blocks = 0
+        self.spill_bytes = 0
+        self.staged_bytes = 0
+        # Timings not yet read and a counter readback in flight hold the warm-up's values: dropped, never read.
+        self._timed.clear()
+        self._stats_copy = None
+        self._stats_copied_at = 0.0
+        self._miss_copy_s = 0.0
+        self._staging_s = 0.0
+        self._timed_staged_bytes = 0
+        # On the compute stream, after the warm-up's resolver and copy kernels (the copy stream joins it after each).
+        self.state.stats.zero_()
+        self._timed_pages.zero_()
+        self._device_stats.zero_()
+
     def stats(self) -> OffloadStats:
         if self.device.type == "cuda":
             self._collect_timings()

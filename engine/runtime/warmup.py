@@ -83,9 +83,11 @@ def warm_up(core: EngineCore, seed: int = 0) -> WarmupReport:
 
 def _forget(core: EngineCore) -> None:
     """Drop what the warm-up left: its cached blocks, the prefix and preemption counters, the step count, MSA's
-    counters (its first timed scans would bracket the kernels' compiles)."""
+    and CPU KV offload's counters (their first timed scans and copies would bracket the kernels' compiles)."""
     core.scheduler.kv.reset_prefix_cache()
     core.scheduler.num_preemptions = 0
     core.num_steps = 0
     if core.msa is not None:
         core.msa.reset()
+    if core.offload is not None:
+        core.offload.reset_counters()

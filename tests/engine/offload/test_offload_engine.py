@@ -1,5 +1,5 @@
 """CPU KV offload end to end on the tiny model: the same greedy tokens as without it, a context larger than the
-device's KV budget served, the pools whole again afterwards, and the counters moving.
+device's KV budget served, the pools whole again afterwards, and the counters moving (from zero after the warm-up).
 
 The "device" here is the CPU (the device KV tensors and the host pool are separate CPU tensors) and attention
 is the reference backend, which reads host blocks through the same hot-buffer rules as the GPU kernels
@@ -8,6 +8,7 @@ alone needs 20.
 """
 
 import random
+from dataclasses import fields
 
 import pytest
 
@@ -17,6 +18,7 @@ from m3stack.engine.runtime import offline
 from m3stack.engine.runtime.errors import InvalidRequestError
 from m3stack.engine.runtime.request import SamplingParams
 from m3stack.engine.runtime.validation import build_request
+from m3stack.engine.runtime.warmup import SPLIT_CONTEXT_BLOCKS, warm_up
 from m3stack.engine.server.metrics import EngineMetrics
 
 DEVICE_BLOCKS = 15
@@ -116,3 +118,20 @@ def test_requests_too_short_to_spill_wait_for_device_room_instead_of_being_preem
     assert core.scheduler.kv.hot_blocks >= 5 - core.scheduler.kv.keep_tail_blocks
     assert generate(core) == plain
     assert core.scheduler.num_preemptions == 0
+
+
+def test_the_warm_up_leaves_offload_counters_at_zero(tiny_model_dir):
+    """The warm-up's long context (160 blocks, on a 15-block device) spills and reads host blocks; afterwards the
+    counters start from zero and count the same requests exactly as a fresh engine's do."""
+    settings = {"kv_offload_gb": 0.008, "max_num_batched_tokens": 512}  # host room for the long part, few chunks
+    fresh, warmed = _offload_core(tiny_model_dir, **settings), _offload_core(tiny_model_dir, **settings)
+    assert SPLIT_CONTEXT_BLOCKS > DEVICE_BLOCKS and warm_up(warmed).split_keys
+    stats = warmed.stats().offload
+    assert stats is not None and stats.host_blocks > 0
+    # Every field but the pool's size: the counters, and the gauges of an idle engine.
+    counters = {field.name: getattr(stats, field.name) for field in fields(stats) if field.name != "host_blocks"}
+    assert counters == dict.fromkeys(counters, 0)
+    assert _generate(warmed) == _generate(fresh)
+    counted = fresh.stats().offload
+    assert warmed.stats().offload == counted
+    assert counted.spilled_blocks > 0 and counted.hot_misses > 0 and counted.staged_bytes > 0
