@@ -89,33 +89,19 @@ def _chat_logprob_entry(token_text: Callable[[int], str], entry: TokenLogprob) -
     }
 
 
-@dataclass
-class _CompletionLogprobState:
-    """Completion logprobs need each token's character offset in the choice's text."""
-
-    text_offset: int = 0
-
-
 def _completion_logprobs(
     token_text: Callable[[int], str],
     entries: Sequence[TokenLogprob | None],
-    state: _CompletionLogprobState,
+    text_start: int = 0,
     prompt_ids: Sequence[int] = (),
 ) -> dict[str, Any]:
-    """OpenAI's completion logprobs; a None entry (the first prompt token, with echo) is ``prompt_ids[i]`` with a
-    null logprob."""
-    tokens, offsets, top = [], [], []
-    for position, entry in enumerate(entries):
-        text = token_text(entry.token_id if entry is not None else prompt_ids[position])
-        tokens.append(text)
-        offsets.append(state.text_offset)
-        state.text_offset += len(text)
-        top.append({token_text(token_id): logprob for token_id, logprob in entry.top} or None if entry else None)
+    """OpenAI's completion logprobs, offsets counted from ``text_start`` (the echoed prompt's length for generated
+    tokens); a None entry (the first prompt token, with echo) is ``prompt_ids[i]`` at offset 0, with a null logprob."""
     return {
-        "tokens": tokens,
-        "token_logprobs": [entry.logprob if entry is not None else None for entry in entries],
-        "top_logprobs": top,
-        "text_offset": offsets,
+        "tokens": [token_text(e.token_id if e is not None else prompt_ids[i]) for i, e in enumerate(entries)],
+        "token_logprobs": [e.logprob if e is not None else None for e in entries],
+        "top_logprobs": [({token_text(t): logprob for t, logprob in e.top} or None) if e else None for e in entries],
+        "text_offset": [text_start + (e.text_offset if e is not None else 0) for e in entries],
     }
 
 
@@ -147,7 +133,6 @@ class ChunkRenderer:
         )
         self._tail = '],"usage":null}' if include_usage else "]}"
         self._usage_head = self._head + '],"usage":'
-        self._logprob_states = [_CompletionLogprobState() for _ in range(num_choices)]
         self._echo = list(echo_texts)
         self._echo_prompt_ids = list(echo_prompt_ids)
 
@@ -162,7 +147,6 @@ class ChunkRenderer:
         events = []
         for index, text in enumerate(self._echo):
             if text and not self._logprobs:  # with logprobs it goes out with them (``_echo_event``)
-                self._logprob_states[index].text_offset = len(text)
                 choice = {"index": index, "text": text, "logprobs": None, "finish_reason": None}
                 events.append(sse_event(self._head + _dumps(choice) + self._tail))
         return b"".join(events)
@@ -184,8 +168,8 @@ class ChunkRenderer:
             content = f'"delta":{_chat_delta(delta)}'
         else:
             if self._logprobs:
-                state = self._logprob_states[delta.index]
-                logprobs = _dumps(_completion_logprobs(self._token_text, delta.logprobs, state))
+                echoed = len(self._echo[delta.index]) if self._echo else 0
+                logprobs = _dumps(_completion_logprobs(self._token_text, delta.logprobs, echoed))
             content = f'"text":{_string(delta.text)}'
         if delta.finish_reason is None:
             finish = "null"
@@ -198,10 +182,7 @@ class ChunkRenderer:
         """Completions with echo and logprobs: the prompt and its logprobs, before the choice's first tokens."""
         if self._chat or not self._echo or not self._logprobs or delta.prompt_logprobs is None:
             return b""
-        state = self._logprob_states[delta.index]
-        logprobs = _completion_logprobs(self._token_text, delta.prompt_logprobs, state,
-                                        self._echo_prompt_ids[delta.index])  # fmt: skip
-        state.text_offset = len(self._echo[delta.index])  # the completion's offsets count the echoed text as sent
+        logprobs = _completion_logprobs(self._token_text, delta.prompt_logprobs, 0, self._echo_prompt_ids[delta.index])
         choice = {"index": delta.index, "text": self._echo[delta.index], "logprobs": logprobs, "finish_reason": None}
         return sse_event(self._head + _dumps(choice) + self._tail)
 
@@ -332,13 +313,10 @@ def completion_response(
         echo = echo_texts[choice.index] if echo_texts else ""
         choice_logprobs = None
         if meta.logprobs:
-            state = _CompletionLogprobState()
             prompt: dict[str, Any] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
             if echo_prompt_ids and choice.prompt_logprobs is not None:
-                prompt = _completion_logprobs(meta.token_text, choice.prompt_logprobs, state,
-                                              echo_prompt_ids[choice.index])  # fmt: skip
-            state.text_offset = len(echo)
-            generated = _completion_logprobs(meta.token_text, choice.logprobs, state)
+                prompt = _completion_logprobs(meta.token_text, choice.prompt_logprobs, 0, echo_prompt_ids[choice.index])
+            generated = _completion_logprobs(meta.token_text, choice.logprobs, len(echo))
             choice_logprobs = CompletionLogprobs(**{key: prompt[key] + generated[key] for key in generated})
         rendered.append(
             CompletionChoice(

@@ -6,11 +6,11 @@ tools or reasoning), the text is split into content, reasoning and tool-call pie
 """
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from m3stack.gateway.agentic.output_parser import OutputParser, ToolCallDelta
 from m3stack.gateway.engine_client.events import Completion, EngineEvent, PromptLogprobs, TokenChunk
-from m3stack.gateway.tokenize.detokenizer import IncrementalDetokenizer
+from m3stack.gateway.tokenize.detokenizer import Decode, IncrementalDetokenizer
 from m3stack.gateway.tokenize.stop import StopStringMatcher
 from m3stack.gateway.tokenize.tokenizer import ModelTokenizer
 
@@ -20,6 +20,9 @@ class TokenLogprob:
     token_id: int
     logprob: float
     top: tuple[tuple[int, float], ...] = ()  # (token id, logprob), most likely first
+    # Where the token's text starts in the choice's text (the prompt's, for a prompt token): a token whose text
+    # is left out (a skipped special token) or not complete yet (one byte of a character) takes no room.
+    text_offset: int = 0
 
 
 @dataclass
@@ -56,6 +59,9 @@ class ChoiceDecoder:
             tokenizer.decoder(skip_special_tokens), prompt_ids, tokenizer.single_token_decoder(skip_special_tokens)
         )
         self._stop = StopStringMatcher(stop_strings)
+        self._decode_prompt = tokenizer.decoder(skip_special_tokens=False)  # as echo writes the prompt
+        self._produced = 0  # characters the detokenizer has given: where the next token's text starts
+        self._returned = 0  # characters of them returned so far (stop strings hold some back, and cut the rest)
         self._eos_token_ids = frozenset(eos_token_ids)
         self._prompt_ids = prompt_ids
         self.prompt_tokens = len(prompt_ids)
@@ -74,19 +80,24 @@ class ChoiceDecoder:
         if len(token_ids) == 1 and not self._stop.active and not chunk.logprobs:
             # Nearly every chunk: one token, no stop strings to watch, no logprobs.
             self.completion_tokens += 1
-            return self._parsed(ChoiceDelta(self.index, self._detokenizer.push(token_ids[0]), 1))
+            text = self._detokenizer.push(token_ids[0])
+            self._produced += len(text)
+            self._returned += len(text)
+            return self._parsed(ChoiceDelta(self.index, text, 1))
         pieces: list[str] = []
         logprobs: list[TokenLogprob] = []
         with_logprobs = len(chunk.logprobs) == len(token_ids)
         delta = ChoiceDelta(self.index, "", 0)
         if chunk.prompt_logprobs is not None:
-            delta.prompt_logprobs = _prompt_logprobs(self._prompt_ids, chunk.prompt_logprobs)
+            delta.prompt_logprobs = _prompt_logprobs(self._prompt_ids, chunk.prompt_logprobs, self._decode_prompt)
         for position, token_id in enumerate(token_ids):
             self.completion_tokens += 1
             delta.num_tokens += 1
             if with_logprobs:
-                logprobs.append(_token_logprob(chunk, position, token_id))
-            text, stopped = self._stop.feed(self._detokenizer.push(token_id))
+                logprobs.append(_token_logprob(chunk, position, token_id, self._produced))
+            produced = self._detokenizer.push(token_id)
+            self._produced += len(produced)
+            text, stopped = self._stop.feed(produced)
             pieces.append(text)
             if stopped:
                 self.finished = True
@@ -94,6 +105,10 @@ class ChoiceDecoder:
                 delta.stop_reason = self._stop.matched
                 break
         delta.text = "".join(pieces)
+        self._returned += len(delta.text)
+        if delta.finish_reason is not None:
+            # The text ends before the stop string, which may have begun in an earlier token.
+            logprobs = [replace(e, text_offset=min(e.text_offset, self._returned)) for e in logprobs]
         delta.logprobs = logprobs
         return self._parsed(delta)
 
@@ -132,16 +147,19 @@ class ChoiceDecoder:
         return delta
 
 
-def _token_logprob(chunk: TokenChunk, position: int, token_id: int) -> TokenLogprob:
+def _token_logprob(chunk: TokenChunk, position: int, token_id: int, text_offset: int) -> TokenLogprob:
     top: tuple[tuple[int, float], ...] = ()
     if position < len(chunk.top_logprobs):
         entry = chunk.top_logprobs[position]
         top = tuple(zip(entry.token_ids, entry.logprobs, strict=False))
-    return TokenLogprob(token_id, chunk.logprobs[position], top)
+    return TokenLogprob(token_id, chunk.logprobs[position], top, text_offset)
 
 
-def _prompt_logprobs(prompt_ids: Sequence[int], message: PromptLogprobs) -> list[TokenLogprob | None]:
-    """The first prompt token has no logprob (None); token i's is ``message.logprobs[i - 1]``."""
+def _prompt_logprobs(prompt_ids: Sequence[int], message: PromptLogprobs, decode: Decode) -> list[TokenLogprob | None]:
+    """The first prompt token has no logprob (None, at offset 0); token i's is ``message.logprobs[i - 1]``, its
+    offset where ``decode`` (the echoed prompt's) gives its text."""
+    detokenizer = IncrementalDetokenizer(decode)
+    offset = len(detokenizer.push(prompt_ids[0]))
     entries: list[TokenLogprob | None] = [None]
     for position, token_id in enumerate(prompt_ids[1:]):
         top = ()
@@ -149,5 +167,6 @@ def _prompt_logprobs(prompt_ids: Sequence[int], message: PromptLogprobs) -> list
             ranked = message.top[position]
             top = tuple(zip(ranked.token_ids, ranked.logprobs, strict=False))
         logprob = message.logprobs[position] if position < len(message.logprobs) else float("nan")
-        entries.append(TokenLogprob(token_id, logprob, top))
+        entries.append(TokenLogprob(token_id, logprob, top, offset))
+        offset += len(detokenizer.push(token_id))
     return entries

@@ -161,6 +161,32 @@ def test_logprobs_are_consistent(client, model_name):
     assert all(value <= 0 for value in logprobs.token_logprobs)
 
 
+def test_completion_text_offsets_index_the_returned_text(client, model_name, tokenizer):
+    """``text_offset[i]`` is where token i's text starts in the choice's text: a special token the completion
+    leaves out of its text, and the bytes of one character (each reported as U+FFFD), take no room of their own."""
+    letter, special = tokenizer.token_to_id("a"), tokenizer.token_to_id("<filename>")
+    euro = tokenizer.encode("€", add_special_tokens=False)
+    assert len(euro) == 3
+    prompt = [letter, special, *euro, letter]  # echoed as "a<filename>€a"
+    body = dict(model=model_name, prompt=prompt, max_tokens=12, logprobs=1, echo=True, seed=7)
+    extra = {**EXACT, "logit_bias": {str(letter): 100, str(special): 100}}
+    for stream in (False, True):
+        if stream:
+            chunks = list(client.completions.create(**body, stream=True, extra_body=extra))
+            text = "".join(c.choices[0].text for c in chunks)
+            tokens = [t for c in chunks if c.choices[0].logprobs for t in c.choices[0].logprobs.tokens]
+            offsets = [o for c in chunks if c.choices[0].logprobs for o in c.choices[0].logprobs.text_offset]
+        else:
+            choice = client.completions.create(**body, extra_body=extra).choices[0]
+            text, tokens, offsets = choice.text, choice.logprobs.tokens, choice.logprobs.text_offset
+        generated = tokens[len(prompt) :]
+        assert set(generated) == {"a", "<filename>"}, generated  # both, in some order
+        assert text == "a<filename>€a" + "a" * generated.count("a")
+        assert offsets[: len(prompt)] == [0, 1, 11, 11, 11, 12], stream
+        echoed = len("a<filename>€a")
+        assert offsets[len(prompt) :] == [echoed + generated[:i].count("a") for i in range(len(generated))], stream
+
+
 def png_data_url(width: int = 56, height: int = 56) -> str:
     import numpy as np
     from PIL import Image

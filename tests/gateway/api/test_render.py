@@ -82,7 +82,8 @@ def test_a_chunk_with_logprobs_is_exactly_what_json_dumps_writes(kind):
     rng = random.Random()
     meta = ResponseMeta("cmpl-1", "m", 1, token_text, True)
     renderer = ChunkRenderer(kind, meta, True, num_choices=1)
-    entries = [TokenLogprob(5, -0.25, ((5, -0.25), (9, -2.5))), TokenLogprob(6, -1.5, ((6, -1.5),))]
+    # The second token's text starts 2 characters in (the decoder's count, whatever the token's own text).
+    entries = [TokenLogprob(5, -0.25, ((5, -0.25), (9, -2.5))), TokenLogprob(6, -1.5, ((6, -1.5),), text_offset=2)]
     delta = ChoiceDelta(0, random_text(rng), 2, entries, finish_reason="length")
     if kind == "chat":
         top = [
@@ -101,7 +102,7 @@ def test_a_chunk_with_logprobs_is_exactly_what_json_dumps_writes(kind):
             "tokens": [token_text(5), token_text(6)],
             "token_logprobs": [-0.25, -1.5],
             "top_logprobs": [{token_text(5): -0.25, token_text(9): -2.5}, {token_text(6): -1.5}],
-            "text_offset": [0, len(token_text(5))],
+            "text_offset": [0, 2],
         }
     assert renderer.delta(delta) == expected_event(kind, meta, delta, logprobs, True)
 

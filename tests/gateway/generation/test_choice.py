@@ -57,3 +57,26 @@ def test_stop_strings_and_logprobs_take_the_general_path(tokenizer, hf_tokenizer
     _, deltas = decode_stream(tokenizer, [], ids, [1] * len(ids), logprobs=values)
     assert [entry.logprob for d in deltas for entry in d.logprobs] == values
     assert [entry.token_id for d in deltas for entry in d.logprobs] == ids
+
+
+def test_logprob_offsets_index_the_text_however_the_engine_groups_the_tokens(tokenizer, hf_tokenizer):
+    """A token's offset is where its text starts in the choice's text: the bytes of one character all start where
+    it does, a skipped special token takes no room; past a stop string nothing points beyond the text."""
+    seed = secrets.randbits(32)
+    rng = random.Random(seed)
+    special = tokenizer.token_to_id("<filename>")
+    for _ in range(20):
+        pieces = [rng.choice(["ab ", "ä", "你", "🙂", " x"]) for _ in range(rng.randint(1, 12))]
+        ids = []
+        for piece in pieces:  # a special token only between characters
+            ids += hf_tokenizer.encode(piece, add_special_tokens=False) + ([special] if rng.random() < 0.3 else [])
+        values = [-1.0] * len(ids)
+        before = [hf_tokenizer.decode(ids[:i], skip_special_tokens=True) for i in range(len(ids))]
+        before = [text.removesuffix("\ufffd") for text in before]  # an incomplete character is not shown yet
+        for sizes in ([1] * len(ids), random_sizes(rng, len(ids))):
+            _, deltas = decode_stream(tokenizer, [], ids, sizes, logprobs=values)
+            assert [e.text_offset for d in deltas for e in d.logprobs] == [len(text) for text in before], (seed, ids)
+            stop = rng.choice(pieces).strip() or "ab"
+            _, deltas = decode_stream(tokenizer, [], ids, sizes, stop_strings=[stop], logprobs=values)
+            text = "".join(d.text for d in deltas)
+            assert all(e.text_offset <= len(text) for d in deltas for e in d.logprobs), (seed, ids, stop)
