@@ -5,7 +5,9 @@ from starlette.responses import JSONResponse
 
 from m3stack.gateway.errors import APIError
 
-HTTP_ERROR_CODES = {404: "not_found", 405: "method_not_allowed", 413: "request_too_large"}
+# FastAPI's only 400 is a body it could not parse as JSON for a reason other than its syntax (not UTF-8, nested
+# deeper than the parser goes, an integer of more digits than Python converts): invalid JSON all the same.
+HTTP_ERROR_CODES = {400: "invalid_json", 404: "not_found", 405: "method_not_allowed", 413: "request_too_large"}
 
 
 def api_error_response(exc: APIError) -> JSONResponse:

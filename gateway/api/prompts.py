@@ -155,10 +155,21 @@ class PromptBuilder:
         try:
             ids = self._tokenizer.encode(text, add_special_tokens=add_special_tokens)
         except Exception as exc:  # e.g. a lone surrogate ("\ud800" in the JSON): TypeError from the Rust side
-            raise invalid_request(f"the text cannot be tokenized (invalid Unicode?): {exc}", param=param) from exc
+            raise invalid_request(_untokenizable(text, param), param=param) from exc
         if not ids:
             raise invalid_request("the prompt is empty", param=param)
         return ids
+
+
+def _untokenizable(text: str, param: str) -> str:
+    """Why ``text`` cannot be tokenized, in the client's terms (the tokenizer's own error names its Rust types)."""
+    try:
+        text.encode()
+    except UnicodeEncodeError as exc:
+        # JSON may escape half of a UTF-16 surrogate pair on its own ("\ud800"): no character, so no UTF-8 either.
+        code = ord(text[exc.start])
+        return f"{param} holds a lone surrogate (\\u{code:04x}), which is not a Unicode character"
+    return f"{param} cannot be tokenized"
 
 
 def _conversation_chars(messages: list[dict[str, Any]]) -> int:

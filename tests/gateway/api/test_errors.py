@@ -49,7 +49,24 @@ def test_a_valid_body_not_sent_as_json_is_a_400(gateway, model_name):
 def test_invalid_unicode_is_a_400(gateway, model_name):
     # A lone surrogate is valid JSON but not valid text.
     body = b'{"model": "%s", "prompt": "abc \\ud800 def"}' % model_name.encode()
-    assert_openai_error(post(gateway, "/v1/completions", body), 400, param="prompt")
+    error = assert_openai_error(post(gateway, "/v1/completions", body), 400, param="prompt")
+    assert error["message"] == "prompt holds a lone surrogate (\\ud800), which is not a Unicode character"
+    body = b'{"model": "%s", "messages": [{"role": "user", "content": "\\udfff"}]}' % model_name.encode()
+    error = assert_openai_error(post(gateway, "/v1/chat/completions", body), 400, param="messages")
+    assert error["message"] == "messages holds a lone surrogate (\\udfff), which is not a Unicode character"
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        b'{"model": "m", "prompt": "\xff\xfe"}',  # not UTF-8
+        b'{"model": "m", "prompt": ' + b"[" * 100_000 + b"]" * 100_000 + b"}",  # deeper than the parser goes
+        b'{"model": "m", "prompt": "hi", "max_tokens": ' + b"9" * 5000 + b"}",  # more digits than Python converts
+    ],
+    ids=["not-utf8", "too-deep", "too-many-digits"],
+)
+def test_a_body_that_cannot_be_parsed_is_invalid_json(gateway, body):
+    assert_openai_error(post(gateway, "/v1/completions", body), 400, "invalid_json")
 
 
 def test_unknown_model_is_a_404(client):
