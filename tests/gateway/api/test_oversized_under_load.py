@@ -13,8 +13,10 @@ from passing for ours.  Two checks, each with a wide margin:
   are stretched by its parse (and by the client sending 8 MB on the same two cores), but they are a minority,
   so the median moves by 10-20% (measured: 1.16x, 1.22x); tokenizing kept both cores busy for seconds and
   stretched most gaps (measured on the previous code: 1.4x, 2.3x);
-* at least 4 pairs are answered while the streams run (measured: 15-17 pairs; the previous code answered one
-  pair, each request taking seconds).
+* at least 4 pairs are answered while the streams run (measured: 15-17 pairs in one round of streams; the
+  previous code answered one pair, each request taking seconds).  On a machine busy with other work the pairs
+  come slower (one CI run saw 2 in a round), so the streams run again, up to ``MAX_ROUNDS`` rounds in all,
+  until 4 pairs are answered: the previous code's rate stays below that.
 """
 
 import asyncio
@@ -38,6 +40,8 @@ STREAMS = 4
 TOKENS = 200  # the engines here have a 256-token context
 QUIET_S = 0.4
 MARGIN = 1.5
+MIN_PAIRS = 4
+MAX_ROUNDS = 3
 
 
 async def _arrivals(client: openai.AsyncOpenAI, model: str, index: int) -> list[float]:
@@ -96,7 +100,11 @@ def test_oversized_requests_leave_other_streams_inter_token_latency_unchanged(ga
     thread = threading.Thread(target=sender.run)
     thread.start()
     try:
-        streams = _streams(gateway.base_url, model_name)
+        streams = []
+        for _ in range(MAX_ROUNDS):
+            streams += _streams(gateway.base_url, model_name)
+            if len(sender.statuses) >= 2 * MIN_PAIRS:
+                break
     finally:
         sender.stop.set()
         thread.join(300)
@@ -111,6 +119,6 @@ def test_oversized_requests_leave_other_streams_inter_token_latency_unchanged(ga
         len(sender.statuses), 1e3 * statistics.median(quiet), len(quiet), 1e3 * statistics.median(everything),
         1e3 * statistics.median(during), 1e3 * statistics.quantiles(during, n=10)[-1], len(during),
     )  # fmt: skip
-    assert set(sender.statuses) == {400, 413} and len(sender.statuses) >= 8
+    assert set(sender.statuses) == {400, 413} and len(sender.statuses) >= 2 * MIN_PAIRS
     assert len(during) >= 10 and len(quiet) >= 10
     assert statistics.median(everything) <= MARGIN * statistics.median(quiet)
