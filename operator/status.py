@@ -10,7 +10,7 @@ subresource: other writers (the engine autoscaler: ``status.autoscaling`` and th
 """
 
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from m3stack.operator.fits import FITS, assess_fit
@@ -44,6 +44,7 @@ CONFIG_ERROR = "CreateContainerConfigError"
 MODEL_LOADING = "ModelLoading"
 UPDATING = "Updating"
 REPLICAS_NOT_READY = "ReplicasNotReady"
+WAITING_FOR_ENGINES = "WaitingForEngines"
 ROLLOUT_COMPLETE = "RolloutComplete"
 RECONCILE_FAILED = "ReconcileFailed"
 AS_EXPECTED = "AsExpected"
@@ -159,12 +160,34 @@ def pod_problem(pod: Mapping[str, Any], *, model_loads: bool) -> tuple[str, str]
     for container in containers:
         waiting = container.get("state", {}).get("waiting") or {}
         reason = _WAITING_REASONS.get(waiting.get("reason", ""))
+        if reason == CRASH_LOOP_BACK_OFF and container.get("lastState", {}).get("terminated"):
+            return reason, f"pod {name}: {_last_exit(container)}"
         if reason is not None:
             return reason, f"pod {name}: {waiting.get('reason')}: {waiting.get('message', '')}".rstrip(": ")
     loading = any("running" in c.get("state", {}) and not c.get("started", False) for c in containers)
     if model_loads and status.get("phase") == "Running" and loading:
         return MODEL_LOADING, f"pod {name} is loading the model"
     return None
+
+
+def _last_exit(container: Mapping[str, Any]) -> str:
+    """Why a crash-looping container last stopped: its exit code and kubelet reason (OOMKilled), then the last
+    line of its termination message, which the pods' FallbackToLogsOnError fills with the log's tail: the error
+    the process printed before exiting (the kubelet's own message only says how long it backs off)."""
+    terminated = container["lastState"]["terminated"]
+    reason = terminated.get("reason", "")
+    detail = f"container {container.get('name', '?')} exited with code {terminated.get('exitCode', '?')}"
+    if reason and reason != "Error":
+        detail += f", {reason}"
+    detail += f" (restarted {container.get('restartCount', 0)} times)"
+    lines = [line.strip() for line in str(terminated.get("message", "")).splitlines() if line.strip()]
+    if lines:
+        last = lines[-1] if len(lines[-1]) <= _EXIT_LINE_CHARS else lines[-1][: _EXIT_LINE_CHARS - 1] + "\u2026"
+        detail += f": {last}"
+    return detail
+
+
+_EXIT_LINE_CHARS = 500  # a condition message stays readable in `kubectl describe`
 
 
 def _worst_problem(pods: Iterable[Mapping[str, Any]], *, model_loads: bool) -> tuple[str, str] | None:
@@ -214,7 +237,9 @@ def compute_status(
     """The new ``.status`` (only the keys this module owns) and the condition transitions since ``previous``."""
     suspended = m3d.spec.suspend
     engines = assess_component(ENGINE, observed.deployments.get(ENGINE), observed.pods, suspended=suspended)
-    gateways = assess_component(GATEWAY, observed.deployments.get(GATEWAY), observed.pods, suspended=suspended)
+    gateways = _waiting_for_engines(
+        assess_component(GATEWAY, observed.deployments.get(GATEWAY), observed.pods, suspended=suspended), engines
+    )
     ready = engines.ready and gateways.ready
     if ready:
         ready_condition = _condition(READY, True, ALL_COMPONENTS_READY, "engines and gateways are ready")
@@ -251,6 +276,15 @@ def compute_status(
         "gateway": _component_status(m3d, GATEWAY, gateways),
     }
     return status, transitions
+
+
+def _waiting_for_engines(gateways: ComponentHealth, engines: ComponentHealth) -> ComponentHealth:
+    """Gateways with no visible problem that are not ready while no engine is: their /ready waits for an engine
+    to route to, and saying so points at the engines rather than at the gateways."""
+    if gateways.reason not in (REPLICAS_NOT_READY, UPDATING) or engines.counts.get("readyReplicas", 0) > 0:
+        return gateways
+    message = f"{gateways.message}: a gateway is ready once an engine is, and no engine is ready"
+    return replace(gateways, reason=WAITING_FOR_ENGINES, message=message)
 
 
 def _degraded(reconcile_error: str | None, *components: ComponentHealth) -> dict[str, str]:

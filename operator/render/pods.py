@@ -59,6 +59,9 @@ def m3stack_container(
         "envFrom": [{"configMapRef": {"name": child_name(m3d, CONFIG)}}],
         "env": environment(user_env),
         "securityContext": container_security_context(),
+        # A container that exits with an error leaves its log's tail in lastState.terminated.message, where the
+        # operator reads why a pod crash-loops (status.pod_problem) for the resource's conditions and events.
+        "terminationMessagePolicy": "FallbackToLogsOnError",
     }
 
 

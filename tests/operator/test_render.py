@@ -316,6 +316,13 @@ def test_pods_run_locked_down(make_m3d, images):
         assert container["image"] in (images.engine, images.gateway)
 
 
+def test_a_failed_container_leaves_its_last_log_lines_as_its_termination_message(make_m3d, images):
+    # The status reads lastState.terminated.message to say why a pod crash-loops (test_status.py).
+    for child in render_children(make_m3d(), images):
+        if child["kind"] == "Deployment":
+            assert _container(child)["terminationMessagePolicy"] == "FallbackToLogsOnError"
+
+
 def test_images_named_in_the_spec_win(make_m3d, images):
     m3d = make_m3d({"engine": {"image": "mine/engine:2"}, "gateway": {"image": "mine/gateway:2"}})
     children = _by_kind(render_children(m3d, images))

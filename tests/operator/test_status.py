@@ -141,6 +141,61 @@ def test_why_engines_are_not_ready(make_m3d, engine_pod, reason, degraded):
     assert (found["Degraded"]["status"] == "True") is degraded
 
 
+def crashed(pod_: dict[str, Any], *, exit_code: int, reason: str, message: str | None, restarts: int = 3):
+    """``pod_`` after its container exited ``restarts`` times (the last time as given)."""
+    (container,) = pod_["status"]["containerStatuses"]
+    terminated = {"exitCode": exit_code, "reason": reason, **({"message": message} if message else {})}
+    container.update(lastState={"terminated": terminated}, restartCount=restarts)
+    container["state"]["waiting"]["message"] = "back-off 40s restarting failed container=engine pod=e_ns(uid)"
+    return pod_
+
+
+ENGINE_LOG_TAIL = (
+    "2026-12-04 07:59:20,001 INFO m3stack.engine.cli: starting\n"
+    "2026-12-04 07:59:24,614 ERROR m3stack.engine.cli: --model '/models/nope' is not a folder\n\n"
+)
+
+
+@pytest.mark.parametrize(
+    ("exit_code", "reason", "message", "expected"),
+    [
+        (
+            1,
+            "Error",
+            ENGINE_LOG_TAIL,
+            "container engine exited with code 1 (restarted 3 times): "
+            "2026-12-04 07:59:24,614 ERROR m3stack.engine.cli: --model '/models/nope' is not a folder",
+        ),
+        (137, "OOMKilled", None, "container engine exited with code 137, OOMKilled (restarted 3 times)"),
+        (1, "Error", "x" * 5000, "container engine exited with code 1 (restarted 3 times): " + "x" * 499 + "\u2026"),
+    ],
+)
+def test_a_crash_loop_says_why_the_container_exited(make_m3d, exit_code, reason, message, expected):
+    engine_pod = crashed(
+        pod("engine", "e", waiting="CrashLoopBackOff"), exit_code=exit_code, reason=reason, message=message
+    )
+    status, transitions = compute(make_m3d(), [deployment("engine", 1, 0), deployment("gateway", 2, 2)], [engine_pod])
+    found = conditions(status)
+    assert found["EnginesReady"]["message"] == f"0/1 ready, 1 updated: pod e: {expected}"
+    assert found["Degraded"]["reason"] == "CrashLoopBackOff"
+    assert "back-off" not in found["Degraded"]["message"], "the kubelet's back-off says nothing about why"
+    assert [t.message for t in transitions] == [found["Degraded"]["message"]]
+
+
+def test_gateways_waiting_for_an_engine_say_so(make_m3d):
+    # A gateway is ready only once an engine is (its /ready): without this, 0/2 ready and no reason.
+    status, _ = compute(
+        make_m3d({"engine": {"replicas": 0}}), [deployment("engine", 0, 0), deployment("gateway", 2, 0)]
+    )
+    found = conditions(status)
+    assert (found["GatewayReady"]["reason"], found["GatewayReady"]["message"]) == (
+        "WaitingForEngines",
+        "0/2 ready, 2 updated: a gateway is ready once an engine is, and no engine is ready",
+    )
+    status, _ = compute(make_m3d(), [deployment("engine", 1, 1), deployment("gateway", 2, 0)])
+    assert conditions(status)["GatewayReady"]["reason"] == "ReplicasNotReady", "an engine is ready: another cause"
+
+
 def test_the_worst_problem_among_pods_wins(make_m3d):
     pods = [
         pod("engine", "loading", running_unstarted=True),
