@@ -9,6 +9,7 @@ has its open calls cancelled, so no stream waits on a dead peer.
 import asyncio
 import enum
 import logging
+import math
 from dataclasses import dataclass
 
 import grpc
@@ -29,6 +30,10 @@ CHANNEL_OPTIONS = (
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
     # The gateway retries itself, and only before a request's first token.
     ("grpc.enable_retries", 0),
+    # While an engine is away (loading its model, restarting) the channel reconnects on a growing backoff, by default
+    # up to 120 s: an engine back after minutes would wait that long for the channel, its probes (every second, see
+    # pool.UNANSWERED_PROBE_PERIOD_S) failing at once meanwhile.  A refused connection a second is cheap.
+    ("grpc.max_reconnect_backoff_ms", 1000),
 )
 ABORT_TIMEOUT_S = 2.0
 # A request's engine call: its own Generate stream, or its view of the engine's shared GenerateStream.
@@ -68,6 +73,7 @@ class EngineClient:
         self.loads: engine_pb2.Loads | None = None
         self.inflight = 0
         self.down_reason = ""
+        self.probed_at = -math.inf  # event loop time of the last probe's start
         self._probe = probe
         self._probe_failures = 0
         self._calls: set[GenerateCall] = set()
@@ -86,6 +92,10 @@ class EngineClient:
 
     def routable(self) -> bool:
         return self.status is EngineStatus.READY and self.breaker.allows_request()
+
+    def answers_probes(self) -> bool:
+        """Whether its last probes got answers: it may serve (READY) or drains (NOT_SERVING)."""
+        return self.status in (EngineStatus.READY, EngineStatus.NOT_SERVING)
 
     @property
     def waiting(self) -> int:
@@ -145,6 +155,7 @@ class EngineClient:
 
     async def probe(self) -> None:
         """One health round: grpc.health.v1, then ModelInfo (when unknown) and Loads."""
+        self.probed_at = asyncio.get_running_loop().time()
         timeout = self._probe.timeout_s
         try:
             health = await self._health.Check(health_pb2.HealthCheckRequest(service=""), timeout=timeout)

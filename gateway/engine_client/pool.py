@@ -13,6 +13,11 @@ logger = logging.getLogger(__name__)
 
 # An engine removed by discovery keeps its channel this long for the streams still open on it.
 RETIRE_GRACE_S = 600.0
+# An engine that does not answer probes (still loading, just discovered, too slow for its first probe on a busy
+# machine, or restarting) gets no traffic until a probe finds it ready.  Waiting a whole --health-interval for
+# that probe (users set 30-60 s to keep the probe load on serving engines low) would leave it idle that long,
+# so it is probed this often instead; probing an address where nothing answers costs the engines nothing.
+UNANSWERED_PROBE_PERIOD_S = 1.0
 
 
 class EnginePool:
@@ -22,6 +27,7 @@ class EnginePool:
         self._breaker = breaker
         self._shared_stream = shared_stream
         self._probe = probe
+        self._unanswered_period_s = min(UNANSWERED_PROBE_PERIOD_S, probe.interval_s)  # never above the interval
         self._metrics = metrics
         self.engines: dict[str, EngineClient] = {}
         self._retiring: dict[EngineClient, float] = {}  # engine -> loop time it was removed
@@ -75,10 +81,12 @@ class EnginePool:
         return sum(sizes) if sizes and all(sizes) else None
 
     def seconds_until_retry(self) -> float:
-        """A Retry-After hint: when the first open breaker lets a probe through, else one probe period."""
+        """A Retry-After hint: when the first open breaker lets a probe through, else the shortest probe period."""
         waits = [engine.breaker.seconds_until_retry() for engine in self.engines.values()]
         waits = [wait for wait in waits if wait > 0]
-        return min(waits) if waits else self._probe.interval_s
+        if waits:
+            return min(waits)
+        return min((self._probe_period(engine) for engine in self.engines.values()), default=self._probe.interval_s)
 
     # -------------------------------------------------------------------------------------------
     # Background probing
@@ -86,17 +94,29 @@ class EnginePool:
     def start(self) -> None:
         self._task = asyncio.create_task(self._probe_forever(), name="engine-probes")
 
+    def _probe_period(self, engine: EngineClient) -> float:
+        """The scheduling rule: engines that answer probes every interval, the others every second at most."""
+        if engine.answers_probes():
+            return self._probe.interval_s
+        return self._unanswered_period_s
+
     async def probe_all(self) -> None:
-        await asyncio.gather(*(engine.probe() for engine in list(self.engines.values())))
+        await self._probe_round(list(self.engines.values()))
+
+    async def _probe_round(self, engines: list[EngineClient]) -> None:
+        await asyncio.gather(*(engine.probe() for engine in engines))
         await self._close_retired()
 
     async def _probe_forever(self) -> None:
+        """Probes each engine once its period since its last probe has passed, checked every shortest period."""
         while True:
+            await asyncio.sleep(self._unanswered_period_s)  # start() follows a probe_all()
+            now = asyncio.get_running_loop().time()
+            due = [engine for engine in self.engines.values() if now - engine.probed_at >= self._probe_period(engine)]
             try:
-                await self.probe_all()
+                await self._probe_round(due)
             except Exception:  # a bug here must not silently stop health checking
                 logger.exception("engine probe round failed")
-            await asyncio.sleep(self._probe.interval_s)
 
     async def _close_retired(self) -> None:
         now = asyncio.get_running_loop().time()

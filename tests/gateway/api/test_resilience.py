@@ -1,5 +1,9 @@
 """Two engines behind one gateway: traffic spreads, and when one is killed its streams end with an
-error event (no hang), the others finish, and new requests move to the survivor."""
+error event (no hang), the others finish, and new requests move to the survivor; an engine that comes up
+after the gateway gets traffic within seconds, whatever ``--health-interval`` says."""
+
+import logging
+import time
 
 import pytest
 
@@ -7,17 +11,35 @@ from tests.helpers.serving import StreamRunner, series, total
 
 pytestmark = pytest.mark.xdist_group("gateway_api")
 
+logger = logging.getLogger(__name__)
+
 PROMPT = "Tell me a long story about engines and gateways."
+# From an engine's /loaded to the gateway routing to it: a few probe periods of a busy 2-core machine, far
+# below the 600 s health interval of these gateways (users set 30-60 s to keep probe load low).
+ROUTED_WITHIN_S = 15.0
+
+
+def routes_to(gateway, engine, model_name) -> bool:
+    samples = gateway.metrics()
+    return series(samples, "m3stack_gateway_engine_ready", engine=engine.address, model_name=model_name) == 1
 
 
 @pytest.fixture(scope="module")
-def pair(stack, engine):
+def pair(stack, engine, model_name, wait_until):
     first, second = stack.engine(), engine  # the first is killed; the session's engine survives
     # No health probes after the start: the gateway learns about the killed engine from failing calls,
     # and its breaker opens after 8 of them (more than the streams killed with it, so that new requests
     # still try it and get retried elsewhere first).
     gateway = stack.gateway(
         [first, second], "--media-workers", "0", "--health-interval", "600", "--breaker-failures", "8"
+    )
+
+    # The gateway is ready with one engine ready; the tests start from both (one slow to answer its first probe
+    # on a busy machine is probed again within a second).
+    wait_until(
+        lambda: routes_to(gateway, first, model_name) and routes_to(gateway, second, model_name),
+        ROUTED_WITHIN_S,
+        "the gateway to find both engines ready",
     )
     return first, second, gateway
 
@@ -84,3 +106,18 @@ def test_traffic_spreads_then_survives_a_killed_engine(pair, model_name, wait_un
     assert breaker_state() == 2, "the breaker of the dead engine is open"
     assert series(metrics, "m3stack_gateway_engine_retries_total", model_name=model_name) >= 1
     assert series(metrics, "m3stack_gateway_engine_inflight_requests", engine=first.address, model_name=model_name) == 0
+
+
+def test_an_engine_that_comes_up_after_the_gateway_gets_traffic_within_seconds(stack, engine, model_name, wait_until):
+    late = stack.engine()
+    late.kill()  # nothing answers at its address when the gateway starts
+    gateway = stack.gateway([engine, late], "--media-workers", "0", "--health-interval", "600")
+    try:
+        assert not routes_to(gateway, late, model_name)
+        late.child = stack.processes.restart(late.child)  # the same command, so the same port
+        stack.processes.wait_http_ok(late.child, late.metrics_url.replace("/metrics", "/loaded"), 300)
+        loaded_at = time.monotonic()
+        wait_until(lambda: routes_to(gateway, late, model_name), ROUTED_WITHIN_S, "the gateway to route to it")
+        logger.info("the gateway routes to the late engine %.1f s after it loaded", time.monotonic() - loaded_at)
+    finally:
+        stack.processes.stop([gateway.child, late.child])
