@@ -88,7 +88,12 @@ def add_arguments(opts: OptionGroup) -> None:
     )
     opts.add("--breaker-failures", type=options.positive_int, default=5, help="failures in a row that open a breaker")
     opts.add("--breaker-open", type=options.positive_float, default=10.0, help="seconds a breaker stays open")
-    opts.add("--health-interval", type=options.positive_float, default=1.0, help="seconds between engine probes")
+    opts.add(
+        "--health-interval",
+        type=options.positive_float,
+        default=1.0,
+        help="seconds between probes of engines that answer (those that do not: every second)",
+    )
     opts.add("--health-timeout", type=options.positive_float, default=2.0, help="deadline of one engine probe")
     opts.add(
         "--media-workers",

@@ -203,6 +203,17 @@ class Reconciler:
         if status_changed(status, previous):
             self.cluster.apply_status(m3d.namespace, m3d.name, status)
         for transition in transitions:
+            # The log tells what the Events tell: a reader of the operator's log sees each resource's state.
+            logger.log(
+                logging.INFO if transition.healthy else logging.WARNING,
+                "%s/%s: %s is %s (%s): %s",
+                m3d.namespace,
+                m3d.name,
+                transition.type,
+                transition.status,
+                transition.reason,
+                transition.message,
+            )
             self.cluster.post_event(
                 body,
                 "Normal" if transition.healthy else "Warning",

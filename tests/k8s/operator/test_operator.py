@@ -28,6 +28,8 @@ from m3d_testkit import (
     wait_for,
 )
 
+OPERATOR: OperatorProcess | None = None  # the module's operator, set by the kube fixture
+
 
 @pytest.fixture(scope="module")
 def kube(k8s_cluster, chart, tmp_path_factory, request) -> Iterator[Kube]:
@@ -236,6 +238,14 @@ def test_unschedulable_engines_report_insufficient_capacity(kube, k8s_node_pool)
     kube("scale", "m3d/crowded", "--replicas=1")
     kube.wait_ready("crowded")
     assert kube.condition("crowded", "Degraded")["status"] == "False"
+    # The operator's log tells the same story as the events, for whoever reads the log and not the resource.
+    assert OPERATOR is not None
+    log = OPERATOR.log_path.read_text()
+    assert (
+        f"WARNING m3stack.operator.reconcile: {kube.namespace}/crowded: Degraded is True (InsufficientCapacity): "
+        in log
+    )
+    assert f"INFO m3stack.operator.reconcile: {kube.namespace}/crowded: Ready is True (AllComponentsReady)" in log
 
 
 def test_deleting_the_resource_removes_everything(kube):
