@@ -14,6 +14,7 @@ Python, which has the openai client), so the README cannot drift from what works
 5. curl through the Traefik Ingress at the address `kubectl get ingress` shows, then the README's OpenAI
    client snippet streaming a chat completion with a picture.
 6. `helm test`: the chart's probe pod reaches the gateways through their Service.
+7. `kubectl delete m3d` and `helm uninstall`: every child goes, the operator goes, the CRD stays.
 
 Then the test's own figures through the same Ingress with the official openai client (time to first token
 and to the last chunk of streamed chat completions with an image), and the proof that they went through
@@ -143,7 +144,7 @@ def shell(k8s_real_cluster: RealCluster, k8s_real_namespace: str, tmp_path: Path
 
 def test_readme_lists_the_steps_this_test_runs() -> None:
     steps = readme_steps()
-    assert sorted(steps) == [1, 2, 3, 4, 5, 6]
+    assert sorted(steps) == [1, 2, 3, 4, 5, 6, 7]
     assert [code.split("#")[0].strip() for _, code in steps[1]] == ["scripts/dev images"]
     assert "ctr -n k8s.io images import" in steps[2][0][1]
     assert [language for language, _ in steps[5]] == ["bash", "python"]
@@ -199,6 +200,7 @@ def test_quickstart_as_written(k8s_real_cluster: RealCluster, k8s_real_namespace
 
     probe_output, probe_s = shell.step(6)
     assert re.search(r"^Phase:\s+Succeeded$", probe_output, re.MULTILINE), probe_output
+    _removed_as_the_readme_says(kube, shell)
 
     log.info(
         "quick start on the real node: helm install --wait %.1f s; apply -> Ready %.1f s; README curl + client "
@@ -210,6 +212,20 @@ def test_quickstart_as_written(k8s_real_cluster: RealCluster, k8s_real_namespace
         statistics.median(figures.total_s) * 1e3, max(figures.total_s) * 1e3, MAX_TOKENS,
         figures.text_prompt_tokens, probe_s, after.per_gateway,
     )  # fmt: skip
+
+
+def _removed_as_the_readme_says(kube: Kube, shell: Shell) -> None:
+    """Step 7: the resource's children are garbage-collected, the release's objects go, the CRD stays."""
+    shell.step(7)
+    kinds = "deployments,replicasets,pods,services,configmaps,poddisruptionbudgets,networkpolicies,ingresses"
+    children = ["get", kinds, "-n", kube.namespace, "-l", f"{DEPLOYMENT_LABEL}={NAME}", "-o", "name"]
+    release = ["get", "all", "-n", RELEASE_NAMESPACE, "-o", "name"]
+    for what, args in (("children of the deleted M3Deployment", children), ("the release's objects", release)):
+        deadline = time.monotonic() + 120
+        while (left := kube.cluster.kubectl(*args).split()) and time.monotonic() < deadline:
+            time.sleep(1)
+        assert not left, f"{what} left behind: {left}"
+    assert kube.cluster.kubectl("get", "crd", "m3deployments.m3stack.io", "-o", "name").strip()
 
 
 def _model_files_agree(kube: Kube) -> None:
