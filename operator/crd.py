@@ -39,7 +39,12 @@ ROOT_RULES = [
 
 PRINTER_COLUMNS: list[dict[str, Any]] = [
     {"name": "Model", "type": "string", "jsonPath": ".spec.model.name"},
-    {"name": "Ready", "type": "string", "jsonPath": '.status.conditions[?(@.type=="Ready")].status'},
+    {
+        "name": "Ready",
+        "type": "string",
+        "description": "Serving: an engine and a gateway are ready (Engines and Desired say whether all are).",
+        "jsonPath": '.status.conditions[?(@.type=="Ready")].status',
+    },
     {"name": "Engines", "type": "integer", "jsonPath": ".status.engine.readyReplicas"},
     {"name": "Desired", "type": "integer", "jsonPath": ".spec.engine.replicas"},
     {"name": "Gateways", "type": "integer", "jsonPath": ".status.gateway.readyReplicas"},

@@ -34,6 +34,7 @@ AUTOSCALING_ACTIVE = "AutoscalingActive"
 # Reasons.
 ALL_REPLICAS_READY = "AllReplicasReady"
 ALL_COMPONENTS_READY = "AllComponentsReady"
+PARTIALLY_READY = "PartiallyReady"
 NOT_CREATED = "NotCreated"
 SUSPENDED = "Suspended"
 SCALED_TO_ZERO = "ScaledToZero"
@@ -75,7 +76,8 @@ class Observed:
 
 @dataclass(frozen=True)
 class ComponentHealth:
-    ready: bool
+    ready: bool  # every desired replica is ready
+    serving: bool  # at least one replica is ready (and some are wanted): requests get answered
     rolled_out: bool
     reason: str
     message: str
@@ -119,7 +121,7 @@ def assess_component(
     suspended: bool,
 ) -> ComponentHealth:
     if deployment is None:
-        return ComponentHealth(False, False, NOT_CREATED, f"the {component} Deployment does not exist yet", {})
+        return ComponentHealth(False, False, False, NOT_CREATED, f"the {component} Deployment does not exist yet", {})
     status = deployment.get("status", {})
     desired = int(deployment.get("spec", {}).get("replicas", 1))
     counts = {
@@ -135,19 +137,21 @@ def assess_component(
     )
     progress = f"{counts['readyReplicas']}/{desired} ready, {counts['updatedReplicas']} updated"
     if suspended:
-        return ComponentHealth(False, rolled_out, SUSPENDED, "spec.suspend is true", counts)
+        return ComponentHealth(False, False, rolled_out, SUSPENDED, "spec.suspend is true", counts)
     if desired == 0:
-        return ComponentHealth(False, rolled_out, SCALED_TO_ZERO, f"the {component} has 0 replicas", counts)
+        return ComponentHealth(False, False, rolled_out, SCALED_TO_ZERO, f"the {component} has 0 replicas", counts)
     if counts["readyReplicas"] >= desired:
-        return ComponentHealth(True, rolled_out, ALL_REPLICAS_READY, progress, counts)
+        return ComponentHealth(True, True, rolled_out, ALL_REPLICAS_READY, progress, counts)
+    serving = counts["readyReplicas"] > 0
     component_pods = [
         pod for pod in pods if pod.get("metadata", {}).get("labels", {}).get(COMPONENT_LABEL) == component
     ]
     problem = _worst_problem(component_pods, model_loads=component == ENGINE)
     if problem is not None:
         reason, detail = problem
-        return ComponentHealth(False, rolled_out, reason, f"{progress}: {detail}", counts)
-    return ComponentHealth(False, rolled_out, REPLICAS_NOT_READY if rolled_out else UPDATING, progress, counts)
+        return ComponentHealth(False, serving, rolled_out, reason, f"{progress}: {detail}", counts)
+    reason = REPLICAS_NOT_READY if rolled_out else UPDATING
+    return ComponentHealth(False, serving, rolled_out, reason, progress, counts)
 
 
 def pod_problem(pod: Mapping[str, Any], *, model_loads: bool) -> tuple[str, str] | None:
@@ -240,13 +244,8 @@ def compute_status(
     gateways = _waiting_for_engines(
         assess_component(GATEWAY, observed.deployments.get(GATEWAY), observed.pods, suspended=suspended), engines
     )
-    ready = engines.ready and gateways.ready
-    if ready:
-        ready_condition = _condition(READY, True, ALL_COMPONENTS_READY, "engines and gateways are ready")
-    else:
-        blocking = engines if not engines.ready else gateways
-        which = "engines" if blocking is engines else "gateways"
-        ready_condition = _condition(READY, False, blocking.reason, f"{which}: {blocking.message}")
+    ready_condition = _ready_condition(engines, gateways)
+    serving = ready_condition["status"] == "True"
     rolled_out = engines.rolled_out and gateways.rolled_out and observed_generation >= m3d.generation
     progressing = _condition(
         PROGRESSING,
@@ -269,13 +268,26 @@ def compute_status(
     conditions, transitions = _stamp(fresh, previous_conditions, observed_generation, now)
     status = {
         "observedGeneration": observed_generation,
-        "phase": _phase(suspended, ready, degraded["status"] == "True", engines, gateways),
+        "phase": _phase(suspended, serving, degraded["status"] == "True", engines, gateways),
         "url": gateway_url(m3d),
         "conditions": conditions,
         "engine": _component_status(m3d, ENGINE, engines),
         "gateway": _component_status(m3d, GATEWAY, gateways),
     }
     return status, transitions
+
+
+def _ready_condition(engines: ComponentHealth, gateways: ComponentHealth) -> dict[str, str]:
+    """Ready means the resource serves: a ready engine behind a ready gateway.  A scale-up (by hand or by the
+    engine autoscaler, which scales all the time) leaves it True while the new replicas load, as a Knative
+    Service stays Ready while it scales: EnginesReady, GatewayReady and Progressing tell the rest."""
+    if engines.ready and gateways.ready:
+        return _condition(READY, True, ALL_COMPONENTS_READY, "engines and gateways are ready")
+    if engines.serving and gateways.serving:
+        message = f"engines {engines.message}; gateways {gateways.message}"
+        return _condition(READY, True, PARTIALLY_READY, f"serving, not every replica ready: {message}")
+    blocking, which = (engines, "engines") if not engines.serving else (gateways, "gateways")
+    return _condition(READY, False, blocking.reason, f"{which}: {blocking.message}")
 
 
 def _waiting_for_engines(gateways: ComponentHealth, engines: ComponentHealth) -> ComponentHealth:
@@ -297,12 +309,14 @@ def _degraded(reconcile_error: str | None, *components: ComponentHealth) -> dict
     return _condition(DEGRADED, False, AS_EXPECTED, "no persistent problem seen")
 
 
-def _phase(suspended: bool, ready: bool, degraded: bool, *components: ComponentHealth) -> str:
+def _phase(suspended: bool, serving: bool, degraded: bool, *components: ComponentHealth) -> str:
+    """Suspended, then Degraded (a persistent problem, even while serving), then Ready (serving, as the Ready
+    condition: replicas may still be loading), then Progressing or Pending."""
     if suspended:
         return "Suspended"
     if degraded:
         return "Degraded"
-    if ready:
+    if serving:
         return "Ready"
     # Pods exist (starting, loading the model, rolling): on the way; none at all: not started yet.
     return "Progressing" if any(health.counts.get("replicas", 0) for health in components) else "Pending"

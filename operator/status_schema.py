@@ -39,11 +39,17 @@ STATUS_SCHEMA = obj(
     {
         "observedGeneration": integer("Generation of the spec the children were rendered from.", fmt="int64"),
         "phase": string(
-            "One-word summary.", enum=["Pending", "Progressing", "Ready", "Degraded", "Suspended", "Failed"]
+            "One-word summary, the first that holds: Suspended; Degraded (a persistent problem, even while serving); "
+            "Ready (serving, as the Ready condition: replicas may still be loading); Progressing (pods exist); "
+            "Pending.",
+            enum=["Pending", "Progressing", "Ready", "Degraded", "Suspended", "Failed"],
         ),
         "url": string("Base URL of the OpenAI-compatible API.", max_length=2048),
         "conditions": array(
-            "Ready, GatewayReady, EnginesReady, Progressing, Degraded, AutoscalingActive.",
+            "Ready (it serves: an engine and a gateway are ready; stays True while more replicas load, reason "
+            "PartiallyReady), EnginesReady and GatewayReady (every desired replica ready), Progressing (a rollout "
+            "or scale in progress), Degraded (a problem waiting will not fix), Fits (the model fits the engine's "
+            "GPUs), AutoscalingActive.",
             CONDITION_SCHEMA,
             max_items=16,
             list_type="map",

@@ -118,8 +118,10 @@ def _gateway(make_m3d, images) -> dict:
     return {**gateway, "status": ready}
 
 
-@pytest.mark.parametrize(("ready_groups", "engines_ready"), [(3, True), (2, False)])
-def test_status_counts_ready_groups(make_m3d, images, ready_groups, engines_ready):
+@pytest.mark.parametrize(
+    ("ready_groups", "engines_ready", "ready_reason"), [(3, True, "AllComponentsReady"), (2, False, "PartiallyReady")]
+)
+def test_status_counts_ready_groups(make_m3d, images, ready_groups, engines_ready, ready_reason):
     m3d = make_m3d(MULTI_NODE)
     lws = _lws_with_status(make_m3d, images, {"replicas": 3, "readyReplicas": ready_groups, "updatedReplicas": 3})
     observed = Observed(deployments={"engine": workload_view(lws), "gateway": _gateway(make_m3d, images)})
@@ -128,4 +130,5 @@ def test_status_counts_ready_groups(make_m3d, images, ready_groups, engines_read
     assert conditions[ENGINES_READY]["status"] == ("True" if engines_ready else "False")
     assert status["engine"]["readyReplicas"] == ready_groups
     assert status["engine"]["availableReplicas"] == ready_groups
-    assert status["phase"] == ("Ready" if engines_ready else "Progressing")
+    assert (conditions["Ready"]["status"], conditions["Ready"]["reason"]) == ("True", ready_reason)
+    assert status["phase"] == "Ready", "two ready groups of three serve"

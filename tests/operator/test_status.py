@@ -210,11 +210,66 @@ def test_the_worst_problem_among_pods_wins(make_m3d):
 
 def test_gateway_problems_only_show_when_engines_are_fine(make_m3d):
     pods = [pod("gateway", "g", waiting="ImagePullBackOff"), pod("engine", "e", running_unstarted=True)]
-    status, _ = compute(make_m3d(), [deployment("engine", 1, 1), deployment("gateway", 2, 1)], pods)
+    status, _ = compute(make_m3d(), [deployment("engine", 1, 1), deployment("gateway", 2, 0)], pods)
     found = conditions(status)
     assert found["Ready"]["reason"] == "ImagePullBackOff"
     assert found["Ready"]["message"].startswith("gateways:")
     assert found["EnginesReady"]["status"] == "True", "a ready engine's pod list is not searched for problems"
+
+
+def test_a_scale_up_keeps_serving_while_the_new_engine_loads(make_m3d):
+    """1 -> 2 engines (kubectl scale, the autoscaler): Ready stays True, no event; EnginesReady says who lags."""
+    m3d = make_m3d({"engine": {"replicas": 2}})
+    before, _ = compute(m3d, [deployment("engine", 1, 1), deployment("gateway", 2, 2)], now=T0)
+    loading = [pod("engine", "demo-engine-b", running_unstarted=True)]
+    status, transitions = compute(
+        m3d, [deployment("engine", 2, 1), deployment("gateway", 2, 2)], loading, previous=before, now=T1
+    )
+    found = conditions(status)
+    assert (found["Ready"]["status"], found["Ready"]["reason"]) == ("True", "PartiallyReady")
+    assert found["Ready"]["message"] == (
+        "serving, not every replica ready: engines 1/2 ready, 2 updated: pod demo-engine-b is loading the model; "
+        "gateways 2/2 ready, 2 updated"
+    )
+    assert found["Ready"]["lastTransitionTime"] == T0, "still serving: no transition"
+    assert (found["EnginesReady"]["status"], found["EnginesReady"]["reason"]) == ("False", "ModelLoading")
+    assert found["Degraded"]["status"] == "False"
+    assert status["phase"] == "Ready"
+    assert transitions == [], "a scale-up is no news: no Ready event"
+    done, transitions = compute(m3d, [deployment("engine", 2, 2), deployment("gateway", 2, 2)], previous=status)
+    assert conditions(done)["Ready"]["reason"] == "AllComponentsReady"
+    assert transitions == []
+
+
+def test_no_ready_engine_is_not_ready_however_many_gateways(make_m3d):
+    loading = [pod("engine", "a", running_unstarted=True), pod("engine", "b", running_unstarted=True)]
+    status, _ = compute(
+        make_m3d({"engine": {"replicas": 2}}), [deployment("engine", 2, 0), deployment("gateway", 2, 2)], loading
+    )
+    found = conditions(status)
+    assert (found["Ready"]["status"], found["Ready"]["reason"]) == ("False", "ModelLoading")
+    assert found["Ready"]["message"].startswith("engines: 0/2 ready")
+    assert status["phase"] == "Progressing"
+
+
+def test_a_crash_looping_extra_replica_degrades_a_resource_that_serves(make_m3d):
+    crashing = crashed(pod("engine", "b", waiting="CrashLoopBackOff"), exit_code=1, reason="Error", message="boom")
+    status, transitions = compute(
+        make_m3d({"engine": {"replicas": 2}}), [deployment("engine", 2, 1), deployment("gateway", 2, 2)], [crashing]
+    )
+    found = conditions(status)
+    assert (found["Ready"]["status"], found["Ready"]["reason"]) == ("True", "PartiallyReady")
+    assert (found["Degraded"]["status"], found["Degraded"]["reason"]) == ("True", "CrashLoopBackOff")
+    assert found["EnginesReady"]["status"] == "False"
+    assert status["phase"] == "Degraded", "Degraded takes precedence over Ready"
+    assert [(t.type, t.status) for t in transitions] == [("Ready", "True"), ("Degraded", "True")]
+
+
+def test_a_gateway_short_of_its_count_leaves_the_resource_serving(make_m3d):
+    status, _ = compute(make_m3d(), [deployment("engine", 1, 1), deployment("gateway", 2, 1)])
+    found = conditions(status)
+    assert (found["Ready"]["status"], found["Ready"]["reason"]) == ("True", "PartiallyReady")
+    assert (found["GatewayReady"]["status"], found["EnginesReady"]["status"]) == ("False", "True")
 
 
 def test_a_rollout_in_progress_is_progressing(make_m3d):

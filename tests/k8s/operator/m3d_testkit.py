@@ -34,6 +34,8 @@ T = TypeVar("T")
 # Upper bounds only (a healthy run takes seconds): the control plane shares two cores with the rest
 # of the suite, and a loaded CI machine must not turn slowness into failures.
 WAIT_S = 120.0
+# Every desired replica ready: Ready (it serves) and each tier's own condition (all its replicas).
+ALL_READY_CONDITIONS = ("Ready", "EnginesReady", "GatewayReady")
 
 
 def wait_for(
@@ -93,8 +95,10 @@ class Kube:
                 return condition
         return {}
 
-    def wait_ready(self, name: str, timeout_s: float = 2 * WAIT_S) -> dict[str, Any]:
-        """Waits until Ready is True for the current generation, and returns the resource."""
+    def wait_all_ready(self, name: str, timeout_s: float = 2 * WAIT_S) -> dict[str, Any]:
+        """Waits until every desired replica is ready and the rollout is done, for the current generation, and
+        returns the resource.  Ready alone only says it serves (one engine behind one gateway): a scale-up keeps it
+        True while the new replicas load, so EnginesReady and GatewayReady are what say they are up."""
 
         def ready() -> dict[str, Any] | None:
             body = self.m3d(name)
@@ -102,13 +106,14 @@ class Kube:
             conditions = {c["type"]: c for c in status.get("conditions", [])}
             current = status.get("observedGeneration") == body["metadata"]["generation"]
             settled = conditions.get("Progressing", {}).get("status") == "False"
-            return body if current and settled and conditions.get("Ready", {}).get("status") == "True" else None
+            all_ready = all(conditions.get(type_, {}).get("status") == "True" for type_ in ALL_READY_CONDITIONS)
+            return body if current and settled and all_ready else None
 
         def status() -> str:
             body = self.try_json("get", "m3deployment", name) or {}
             return f"generation {body.get('metadata', {}).get('generation')}, status {json.dumps(body.get('status'))}"
 
-        return wait_for(f"M3Deployment {name} to be Ready", ready, timeout_s, detail=status)
+        return wait_for(f"M3Deployment {name}'s replicas all to be ready", ready, timeout_s, detail=status)
 
 
 class OperatorProcess:

@@ -166,7 +166,7 @@ def test_engines_follow_the_load_and_stop_at_the_capacity(
     operator.start()
     engine = {"nodeSelector": pool.node_selector, "tolerations": [pool.toleration]}
     kube.apply(m3deployment("busy", {"engine": engine, "autoscaling": {"engine": builtin()}}))
-    kube.wait_ready("busy")
+    kube.wait_all_ready("busy")
     watch = Watcher(k8s_client(), kube.namespace, "busy")
     watch.until(
         "the autoscaler reading both gateways",
@@ -237,7 +237,7 @@ def test_scale_to_zero_and_woken_by_refused_requests(loopback, operator, kube: K
     operator.start()
     windows = {"stableWindowSeconds": 6, "panicWindowSeconds": 2, "scaleDownDelaySeconds": 4}
     kube.apply(m3deployment("idle", {"autoscaling": {"engine": builtin({"minReplicas": 0, **windows})}}))
-    # Not kube.wait_ready: on a slow machine the autoscaler can scale the idle engine away before a
+    # Not kube.wait_all_ready: on a slow machine the autoscaler can scale the idle engine away before a
     # poll sees Ready, and a deployment at zero engines is not Ready.  The decision shows it went 1 -> 0.
     watch = Watcher(k8s_client(), kube.namespace, "idle")
     measured = {"idle: to zero": watch.until("zero engines", lambda: watch.replicas() == 0, timeout_s=120)}
@@ -275,7 +275,7 @@ def test_a_deployment_without_metrics_holds_its_engines(operator, kube: Kube, k8
     monkeypatch.setenv(METRICS_URLS_ENV, f"{kube.namespace}/blind=http://127.0.0.1:9/metrics")  # discard port
     operator.start()
     kube.apply(m3deployment("blind", {"engine": {"replicas": 2}, "autoscaling": {"engine": builtin()}}))
-    kube.wait_ready("blind")
+    kube.wait_all_ready("blind")
     watch = Watcher(k8s_client(), kube.namespace, "blind")
     watch.until(
         "AutoscalingActive=False NoMetrics",
@@ -303,7 +303,7 @@ def test_keda_and_hpa_modes_hand_scale_to_their_object(keda_crd, operator, kube:
     prometheus = {"serverAddress": "http://prometheus.invalid:9090"}  # KEDA would query it; nothing does here
     engine_scaling = {"mode": "KEDA", "minReplicas": 0, "maxReplicas": 5, "prometheus": prometheus}
     kube.apply(m3deployment("ext", {"autoscaling": {"engine": engine_scaling}}))
-    kube.wait_ready("ext")
+    kube.wait_all_ready("ext")
     scaled = wait_for("the ScaledObject", lambda: kube.try_json("get", "scaledobject", "ext-engine"))
     assert scaled["spec"]["scaleTargetRef"] == {
         "apiVersion": "m3stack.io/v1alpha1",

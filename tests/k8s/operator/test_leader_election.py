@@ -117,7 +117,7 @@ def test_the_standby_takes_over_a_killed_leader_mid_reconcile_without_duplicates
     logger.info("takeover after SIGKILL: %.1fs", takeover_s)
 
     for name in names:
-        kube.wait_ready(name)
+        kube.wait_all_ready(name)
         children = kube.children(name)
         kinds = [(c["kind"], c["metadata"]["name"]) for c in children]
         assert len(kinds) == len(set(kinds)) == 8, kinds
@@ -149,7 +149,7 @@ def test_a_stopping_leader_hands_the_lease_over_at_once(k8s_cluster, kube: Kube,
     assert handover_s < 6.0, f"took {handover_s:.1f}s"
     logger.info("handover after SIGTERM: %.1fs", handover_s)
     kube.apply(m3deployment("after-handover"))
-    kube.wait_ready("after-handover")
+    kube.wait_all_ready("after-handover")
     assert is_leader(second, lease)
 
 

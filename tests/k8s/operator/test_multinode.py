@@ -143,7 +143,7 @@ def test_a_multi_node_engine_is_a_leader_worker_set_whose_groups_make_the_status
     wait_for("the engine groups in the M3Deployment status", lambda: _engines(kube, "mn").get("readyReplicas") == 2,
              timeout_s=180, detail=statuses)  # fmt: skip
     assert kube.condition("mn", "EnginesReady")["status"] == "True"
-    kube.wait_ready("mn")
+    kube.wait_all_ready("mn")
     header, row = (line.split() for line in kube("get", "m3d", "mn", "-o", "wide").splitlines()[:2])
     columns = dict(zip(header, row, strict=False))  # trailing empty columns print nothing
     assert (columns["ENGINES"], columns["TP"], columns["NODES"]) == ("2", "4", "2"), columns
@@ -159,7 +159,7 @@ def test_back_to_one_node_prunes_the_leader_worker_set(kube):
     wait_for("the LeaderWorkerSet to go", lambda: _lws(kube, "back-engine") is None or None)
     (container,) = engine["spec"]["template"]["spec"]["containers"]
     assert "--tensor-parallel" in container["args"] and "--nnodes" not in container["args"]
-    kube.wait_ready("back")
+    kube.wait_all_ready("back")
 
 
 @pytest.mark.parametrize(

@@ -39,7 +39,7 @@ def test_a_restart_in_the_middle_of_a_reconcile_converges_without_duplicates(kub
     operator.stop(signal.SIGKILL)
     kube("delete", "service", "restarted-gateway")
     operator.start()
-    body = kube.wait_ready("restarted")
+    body = kube.wait_all_ready("restarted")
     assert kube.condition("restarted", "Degraded")["status"] == "False"
     children = kube.children("restarted")
     names = [(c["kind"], c["metadata"]["name"]) for c in children]

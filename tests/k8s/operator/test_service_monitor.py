@@ -33,7 +33,7 @@ def service_monitors(kube: Kube) -> list[dict]:
 def test_a_service_monitor_per_m3deployment_once_the_crd_exists(prometheus_operator_crd, operator, kube: Kube):
     operator.start(extra_args=("--service-monitor-labels", "release=kps"))
     kube.apply(m3deployment("watched"))
-    kube.wait_ready("watched")
+    kube.wait_all_ready("watched")
     assert service_monitors(kube) == [], "no CRD, no ServiceMonitor, and the resource is Ready all the same"
 
     prometheus_operator_crd()

@@ -205,7 +205,7 @@ def served(cluster: RealCluster, namespace: str, name: str, spec: dict[str, Any]
     started = time.monotonic()
     kube.apply(tiny_m3deployment(name, cluster.images, host, spec))
     try:
-        kube.wait_ready(name, timeout_s=READY_TIMEOUT_S)
+        kube.wait_all_ready(name, timeout_s=READY_TIMEOUT_S)
         stack = Served(cluster, kube, name, host, ready_s=time.monotonic() - started)
         with IngressClient(stack) as ingress:
             wait_for("a chat completion through the Ingress", lambda: ingress.chat().status == 200, timeout_s=120)
