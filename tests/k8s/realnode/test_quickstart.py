@@ -177,6 +177,9 @@ def test_quickstart_as_written(k8s_real_cluster: RealCluster, k8s_real_namespace
     assert [pod["spec"]["serviceAccountName"] for pod in operators] == [SERVICE_ACCOUNT] * 2, operators
 
     _, ready_s = shell.step(4)
+    # Step 4 returns once the resource serves (Ready: an engine behind a gateway); the counts below expect
+    # requests on both gateway pods, so both must be in the Service's endpoints first.
+    kube.wait_all_ready(NAME)
     _model_files_agree(kube)
 
     address = kube.json("get", "ingress", NAME)["status"]["loadBalancer"]["ingress"][0]["ip"]
