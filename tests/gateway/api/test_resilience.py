@@ -13,7 +13,13 @@ pytestmark = pytest.mark.xdist_group("gateway_api")
 
 logger = logging.getLogger(__name__)
 
-PROMPT = "Tell me a long story about engines and gateways."
+PROMPT = "Tell me a long story about engines and gateways."  # 31 tokens
+# The streams must still run when the test has seen them on both engines and kills one: on a fast machine 8 streams
+# of 96 tokens ended in 0.7 s, before a /metrics scrape of the gateway busy streaming them came back (one CI run
+# never saw both engines busy). 12 streams of 200 tokens (31 + 200 within the tiny model's 256) run several times
+# longer.
+STREAMS = 12
+STREAM_TOKENS = 200
 # From an engine's /loaded to the gateway routing to it: a few probe periods of a busy 2-core machine, far
 # below the 600 s health interval of these gateways (users set 30-60 s to keep probe load low).
 ROUTED_WITHIN_S = 15.0
@@ -64,19 +70,21 @@ def test_prefix_aware_routing_keeps_a_shared_prefix_on_one_engine(stack, pair, m
     assert len(grew) == 1, "one engine got every request sharing the prefix"
 
 
-def inflight(gateway, engine) -> float:
-    return total(gateway.metrics(), "m3stack_gateway_engine_inflight_requests", engine=engine.address)
+def inflight(gateway, *engines) -> list[float]:
+    """Each engine's requests in flight, from one scrape (a moment of the gateway, not several)."""
+    samples = gateway.metrics()
+    return [total(samples, "m3stack_gateway_engine_inflight_requests", engine=engine.address) for engine in engines]
 
 
 def test_traffic_spreads_then_survives_a_killed_engine(pair, model_name, wait_until):
     first, second, gateway = pair
     client = gateway.client(timeout_s=120)
-    runners = [StreamRunner(client, model_name, PROMPT, max_tokens=96) for _ in range(8)]
+    runners = [StreamRunner(client, model_name, PROMPT, max_tokens=STREAM_TOKENS) for _ in range(STREAMS)]
     for runner in runners:
         runner.start()
-    wait_until(lambda: inflight(gateway, first) >= 1 and inflight(gateway, second) >= 1, 60, "streams on both engines")
-    wait_until(lambda: sum(r.chunks for r in runners) >= 8, 60, "tokens flowing")
-    on_first = inflight(gateway, first)
+    wait_until(lambda: min(inflight(gateway, first, second)) >= 1, 60, "streams on both engines")
+    wait_until(lambda: sum(r.chunks for r in runners) >= STREAMS, 60, "tokens flowing")
+    (on_first,) = inflight(gateway, first)
 
     first.kill()
     for runner in runners:
