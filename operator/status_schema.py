@@ -42,7 +42,7 @@ STATUS_SCHEMA = obj(
             "One-word summary, the first that holds: Suspended; Degraded (a persistent problem, even while serving); "
             "Ready (serving, as the Ready condition: replicas may still be loading); Progressing (pods exist); "
             "Pending.",
-            enum=["Pending", "Progressing", "Ready", "Degraded", "Suspended", "Failed"],
+            enum=["Pending", "Progressing", "Ready", "Degraded", "Suspended"],
         ),
         "url": string("Base URL of the OpenAI-compatible API.", max_length=2048),
         "conditions": array(
