@@ -19,7 +19,7 @@ the same random tokens, so all run the same experts.
 * After timing, each size checks both MXFP8 paths against the BF16 layer holding the dequantized weights
   (relative error of the outputs, ``*_err``).
 * ``--budget-s`` bounds the timed sizes (the ones past it are left out, logged); ``--sweep``: the grouped GEMM
-  alone at a decode step (64 tokens) and a prefill step (8192), gate|up and down, over launch configurations
+  alone at decode steps (1 and 64 tokens) and a prefill step (8192), gate|up and down, over launch configurations
   (tiles, warps, stages, the in-register widening), beside torch's bf16 grouped GEMM.
 
     python -m bench.mxfp8_moe [--out DIR] [--sweep] [--budget-s S] [--tokens 1,2,...] [--rank-tokens 1,...]
@@ -52,13 +52,13 @@ COLUMNS = ["layer", "tokens", "experts_run", "bf16_us", "fused_us", "dequant_us"
 PATHS = {"fused": lambda tokens: tokens + 1, "dequant": lambda tokens: tokens}  # MoE.dequantize_from_tokens for each
 TIMING = {"warmup_ms": 10, "rep_ms": 60}  # short medians: the stage has a minute for ~40 timings
 SWEEP_COLUMNS = ["case", "tiles", "us", "bf16_us", "bf16_over"]
-SWEEP_TOKENS = (64, 8192)  # a decode step and a prefill step
 SWEEP_DECODE = [
+    Tiles(16, 64, 128, 4, 4),  # decode's tiles widening to bf16 through float32, as built until 2026-12-04
+    Tiles(16, 64, 256, 4, 3, widen=3),
     Tiles(16, 64, 128, 4, 4, widen=1),
     Tiles(16, 64, 128, 4, 4, widen=2),
-    Tiles(16, 128, 128, 4, 4),
-    Tiles(16, 64, 256, 4, 3),
-    Tiles(16, 32, 128, 4, 4),
+    Tiles(16, 128, 128, 4, 4, widen=3),
+    Tiles(16, 32, 128, 4, 4, widen=3),
 ]
 SWEEP_PREFILL = [
     Tiles(128, 128, 64, 8, 4, widen=1),
@@ -67,6 +67,7 @@ SWEEP_PREFILL = [
     Tiles(64, 128, 64, 4, 4),
     Tiles(128, 128, 128, 8, 3),
 ]
+SWEEP_CASES = [(1, SWEEP_DECODE), (64, SWEEP_DECODE), (8192, SWEEP_PREFILL)]  # decode steps and a prefill step
 
 
 M3_TEXT: TextConfig = parse_config({"model_type": "minimax_m3_vl", "text_config": M3_MOE}).text
@@ -229,7 +230,7 @@ def sweep(quantized: MoE, budget_end: float) -> list[dict[str, Any]]:
     """The grouped GEMM alone over launch configurations, beside torch's bf16 grouped GEMM on the same rows."""
     out = []
     experts = quantized.gate_up_proj.shape[0]
-    for tokens, configs in zip(SWEEP_TOKENS, (SWEEP_DECODE, SWEEP_PREFILL), strict=True):
+    for tokens, configs in SWEEP_CASES:
         pairs = tokens * M3_MOE["num_experts_per_tok"]
         generator = torch.Generator(device="cuda").manual_seed(pairs)
         ids = torch.randint(0, experts, (pairs,), generator=generator, device="cuda").sort().values

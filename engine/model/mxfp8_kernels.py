@@ -6,11 +6,20 @@ them in registers (e4m3 -> float32, times the block's power of two, -> the activ
 scaled value is a bf16 number) and runs bf16 tensor-core MMAs with float32 accumulation.  Decode steps are bound
 by the weight bytes they read, which are half of bf16's.
 
+Decode-sized tiles (``widen`` 3) multiply in fp16 instead: e4m3 widens to fp16 in one instruction per pair
+(exact), each 32-input sub-tile's product goes through an fp16 MMA and its block scales multiply the float32
+accumulator (``BLOCK_M x BLOCK_N`` multiplies a sub-tile instead of ``32 x BLOCK_N``).  Widening to bf16 costs
+three conversions an element, which bounded the kernel well under HBM's rate (2.0-2.6 TB/s of FP8 at M3's decode
+shapes against 2.3-3.1 this way, H200, bench/results/mxfp8_variants.json).  bf16 activations enter fp16 times a
+power of two per row that brings the row's largest magnitude (``row_abs_max``, one launch before the kernel) into
+[2 ** 14, 2 ** 15): exact for every value within 2 ** -30 of it, and fp16's range never overflows.
+
 One kernel serves both: a dense linear is one group of ``rows`` rows; the grouped GEMM takes the expert-sorted
 rows of ``moe.MoE._grouped`` with each group's end row (``ends``, on the device: no host sync, so decode steps
-can be CUDA-graphed).  The grid has ``cdiv(rows, BLOCK_M) + groups`` row blocks, a bound on the blocks the
-groups need whatever the routing; each program finds its group from the ends in registers (a cumulative sum over
-at most a few hundred groups) and leaves at once when it has none.  Rows past the last group's end (pairs run
+can be CUDA-graphed).  The grid has ``cdiv(rows, BLOCK_M) + min(groups, rows)`` row blocks, a bound on the
+blocks the groups need whatever the routing (each non-empty group adds at most one partial block); each program
+finds its group from the ends in registers (a cumulative sum over at most a few hundred groups) and leaves at once
+when it has none.  Rows past the last group's end (pairs run
 on another rank) are not written.
 
 Small grids (decode over few groups, narrow tensor-parallel shards) split K over programs that write float32
@@ -51,16 +60,22 @@ class Tiles:
     num_warps: int
     num_stages: int
     split_k: int = 0
-    widen: int = 0  # _widen's WIDEN for bf16 activations (fp16 ones always widen through float32)
+    # _widen's WIDEN for bf16 activations (fp16 ones widen through float32), or 3: fp16 MMAs, scales on the
+    # accumulator (for fp16 activations too)
+    widen: int = 0
 
 
 # By rows per group; compiled for sm_90 by Triton 3.6 (the H200's) with no spills and every load pipelined
-# (cp.async): decode 64 registers (6 CTAs per SM), prefill 128 (2 CTAs per SM).
-DECODE_TILES = Tiles(block_m=16, block_n=64, block_k=128, num_warps=4, num_stages=4)
+# (cp.async): decode 64 registers (6 CTAs per SM), prefill 128 (2 CTAs per SM).  Decode multiplies in fp16 (the
+# module's docstring); medium and prefill steps are bound by math, where the per-sub-tile accumulator update
+# costs more than the widening (1.7x slower at 512 tokens a step).
+DECODE_TILES = Tiles(block_m=16, block_n=64, block_k=128, num_warps=4, num_stages=4, widen=3)
 MEDIUM_TILES = Tiles(block_m=64, block_n=128, block_k=128, num_warps=4, num_stages=3)
 PREFILL_TILES = Tiles(block_m=128, block_n=128, block_k=64, num_warps=8, num_stages=4)
 # dequantize_groups' tile: 16 KiB of FP8 read and 32 KiB of bf16 written a program.
 DEQUANTIZE_BLOCK_N, DEQUANTIZE_BLOCK_K = 64, 256
+ROW_MAX_BLOCK = 2048  # row_abs_max's loads: 4 KiB of bf16 a step
+SUM_SPLITS_BLOCK = 1024  # outputs per program of the split-K sum
 
 
 @triton.jit
@@ -80,12 +95,35 @@ def _widen(w, s, DTYPE: tl.constexpr, WIDEN: tl.constexpr):
 
 
 @triton.jit
+def _row_shifts(row_max_ptr, offs_m, mask_m):
+    """Per row, powers of two ``(down, up)`` that bring the row's largest magnitude into [2 ** 14, 2 ** 15): the
+    row enters the fp16 MMA times ``down`` (every bf16 value in it exact from 2 ** -30 of that largest on) and the
+    accumulator gets ``up`` back.  Zero rows (and masked ones) stay in range; the exponents are clamped to +-112."""
+    row_max = tl.load(row_max_ptr + offs_m, mask=mask_m, other=1.0).to(tl.float32)
+    shift = ((row_max.to(tl.int32, bitcast=True) >> 23) & 0xFF) - (127 + 14)
+    shift = tl.minimum(tl.maximum(shift, -112), 112)
+    return ((127 - shift) << 23).to(tl.float32, bitcast=True), ((127 + shift) << 23).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _fp16_product(x, w, s, acc, row_down, ROW_SCALED: tl.constexpr):
+    """``acc`` plus ``x @ (w * 2 ** (s - 127))`` through an fp16 MMA, short of the rows' ``up`` factors: ``w``
+    (e4m3) widens exactly to fp16, ``x`` goes to fp16 (bf16 rows times their ``row_down``: ``_row_shifts``), and
+    the block's scales ``s`` ``[1, N]`` multiply the float32 product before it joins the accumulator."""
+    if ROW_SCALED:
+        x = x.to(tl.float32) * row_down[:, None]
+    part = tl.dot(x.to(tl.float16), w.to(tl.float16))
+    return acc + part * (s.to(tl.int32) << 23).to(tl.float32, bitcast=True)
+
+
+@triton.jit
 def _mxfp8_matmul_kernel(
-    x_ptr, w_ptr, s_ptr, out_ptr, ends_ptr,
+    x_ptr, w_ptr, s_ptr, out_ptr, ends_ptr, row_max_ptr,
     rows, n, k, k_per_split,
     stride_x, stride_wg, stride_wn, stride_sg, stride_sk, stride_split, stride_out,
     GROUPS: tl.constexpr, GROUPS_P: tl.constexpr, SPLIT: tl.constexpr, EVEN_K: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, WIDEN: tl.constexpr,
+    ROW_SCALED: tl.constexpr,
 ):  # fmt: skip
     """One ``BLOCK_M x BLOCK_N`` output tile of one group over ``k_per_split`` inputs (program axis 2)."""
     pid_m = tl.program_id(0)
@@ -127,6 +165,10 @@ def _mxfp8_matmul_kernel(
     w_cols = w_ptr + group.to(tl.int64) * stride_wg + offs_n[None, :].to(tl.int64) * stride_wn
     s_cols = s_ptr + group.to(tl.int64) * stride_sg + offs_n[None, :]
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    row_down = tl.full((BLOCK_M,), 1.0, tl.float32)
+    row_up = tl.full((BLOCK_M,), 1.0, tl.float32)
+    if ROW_SCALED:
+        row_down, row_up = _row_shifts(row_max_ptr, offs_m, mask_m)
     for kk in range(0, k_per_split, BLOCK_K):
         for j in tl.static_range(BLOCK_K // 32):
             in_k = offs_k + (kk + j * 32)
@@ -143,14 +185,52 @@ def _mxfp8_matmul_kernel(
                 x = tl.load(x_rows + in_k[None, :], mask=mask_m[:, None] & live[None, :], other=0.0)
                 w = tl.load(w_cols + in_k[:, None], mask=live[:, None] & mask_n[None, :], other=0.0)
                 s = tl.load(scale_ptrs, mask=mask_n[None, :], other=0)
-            acc = tl.dot(x, _widen(w, s, x_ptr.dtype.element_ty, WIDEN), acc)
+            if WIDEN == 3:
+                acc = _fp16_product(x, w, s, acc, row_down, ROW_SCALED)
+            else:
+                acc = tl.dot(x, _widen(w, s, x_ptr.dtype.element_ty, WIDEN), acc)
 
+    if ROW_SCALED:
+        acc = acc * row_up[:, None]
     out_ptrs = out_ptr + pid_k * stride_split + offs_m[:, None].to(tl.int64) * stride_out + offs_n[None, :]
     mask = mask_m[:, None] & mask_n[None, :]
     if SPLIT:
         tl.store(out_ptrs, acc, mask=mask)
     else:
         tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _sum_splits_kernel(partials_ptr, out_ptr, n, stride_split, stride_partial, stride_out,
+                       SPLITS: tl.constexpr, BLOCK: tl.constexpr):  # fmt: skip
+    """Row ``program_id(0)`` of the K splits' float32 partials, summed in split order, in ``out``'s dtype."""
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    live = offs < n
+    total = tl.zeros((BLOCK,), dtype=tl.float32)
+    for split in tl.static_range(SPLITS):
+        total += tl.load(partials_ptr + split * stride_split + row * stride_partial + offs, mask=live, other=0.0)
+    tl.store(out_ptr + row * stride_out + offs, total.to(out_ptr.dtype.element_ty), mask=live)
+
+
+@triton.jit
+def _row_abs_max_kernel(x_ptr, out_ptr, k, stride_x, BLOCK: tl.constexpr):
+    """The largest magnitude of row ``program_id(0)`` of ``x``, as float32."""
+    row = tl.program_id(0).to(tl.int64)
+    largest = tl.zeros((BLOCK,), dtype=tl.float32)
+    for start in range(0, k, BLOCK):
+        offs = start + tl.arange(0, BLOCK)
+        largest = tl.maximum(largest, tl.abs(tl.load(x_ptr + row * stride_x + offs, mask=offs < k, other=0.0)))
+    tl.store(out_ptr + row, tl.max(largest, axis=0))
+
+
+def row_abs_max(x: torch.Tensor) -> torch.Tensor:
+    """Each row's largest magnitude, float32 ``[rows]``: one program a row (torch's ``amax`` over a few long rows
+    took 17-22 us on the H200, as long as the 1-token matmul it prepares takes to read 14 MB)."""
+    out = torch.empty(x.shape[0], dtype=torch.float32, device=x.device)
+    if x.shape[0]:
+        _row_abs_max_kernel[(x.shape[0],)](x, out, x.shape[1], x.stride(0), BLOCK=ROW_MAX_BLOCK, num_warps=4)
+    return out
 
 
 @triton.jit
@@ -274,23 +354,32 @@ def _launch(
     grouped = ends is not None
     plan = plan_launch(rows, n, k, groups if grouped else None, x.device, tiles)
     tiles, block_k, k_per_split, split = plan.tiles, plan.block_k, plan.k_per_split, plan.split
-    row_blocks = triton.cdiv(rows, tiles.block_m) + (groups if grouped else 0)
+    # Past the blocks the groups need, programs leave at once, but a grid of cdiv(rows) + groups row blocks made a
+    # one-token step launch 16x the programs it runs, and the ones that run wait behind them.
+    row_blocks = triton.cdiv(rows, tiles.block_m) + (min(groups, rows) if grouped else 0)
     n_blocks = triton.cdiv(n, tiles.block_n)
     target = out if split == 1 else torch.empty((split, rows, n), dtype=torch.float32, device=x.device)
+    # fp16 MMAs over bf16 rows: each row's largest magnitude sets its power-of-two shift into fp16's range.
+    row_scaled = tiles.widen == 3 and x.dtype == torch.bfloat16
+    row_max = row_abs_max(x) if row_scaled else x
     _mxfp8_matmul_kernel[(row_blocks, n_blocks, split)](
-        x, weights, scales, target, ends if grouped else x,
+        x, weights, scales, target, ends if grouped else x, row_max,
         rows, n, k, k_per_split,
         x.stride(0), weights.stride(0), weights.stride(1), scales.stride(0), scales.stride(2),
         target.stride(0) if split > 1 else 0, target.stride(-2),
         GROUPS=groups if grouped else 0, GROUPS_P=triton.next_power_of_2(groups) if grouped else 1,
         SPLIT=split > 1, EVEN_K=k % k_per_split == 0 and k_per_split % block_k == 0,
         BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_K=block_k,
-        WIDEN=tiles.widen if x.dtype == torch.bfloat16 else 0,
+        WIDEN=tiles.widen if x.dtype == torch.bfloat16 or tiles.widen == 3 else 0, ROW_SCALED=row_scaled,
         num_warps=tiles.num_warps, num_stages=tiles.num_stages,
     )  # fmt: skip
     if split > 1:
-        # Rows past the groups' ends stay unwritten in every partial; their sum is as undefined as the rows.
-        out.copy_(target.sum(dim=0))
+        # Rows past the groups' ends stay unwritten in every partial; their sum is as undefined as the rows.  One
+        # launch (torch's sum then copy_ took two, 9 us at a 1-token step on the H200).
+        _sum_splits_kernel[(rows, triton.cdiv(n, SUM_SPLITS_BLOCK))](
+            target, out, n, target.stride(0), target.stride(1), out.stride(0),
+            SPLITS=split, BLOCK=SUM_SPLITS_BLOCK, num_warps=4,
+        )  # fmt: skip
     return out
 
 

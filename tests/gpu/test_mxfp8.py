@@ -30,10 +30,11 @@ from tests.engine.model.hf_oracle import token_errors
 from tests.engine.model.paged_runner import Chunk, PagedRunner, Sequence
 
 HIDDEN, INTER = 6144, 3072
-# (rows, widen): every tile class with the default widening (0, through float32), the bf16 ones (1, 2) once each.
-DENSE_CASES = [((1, 2 * INTER, HIDDEN), 0), ((16, HIDDEN, INTER), 0), ((300, 1024, HIDDEN), 0),
-               ((16, HIDDEN, INTER), 1), ((300, 1024, HIDDEN), 2)]  # fmt: skip
-GROUPED_CASES = [(1, 0), (64, 0), (2048, 0), (64, 1), (2048, 2)]
+# (rows, widen): every tile class with its default (decode: 3, fp16 MMAs; the others: 0, through float32), decode's
+# through float32 too, the bf16 widenings (1, 2) once each.
+DENSE_CASES = [((1, 2 * INTER, HIDDEN), 3), ((16, HIDDEN, INTER), 3), ((300, 1024, HIDDEN), 0),
+               ((16, HIDDEN, INTER), 0), ((16, HIDDEN, INTER), 1), ((300, 1024, HIDDEN), 2)]  # fmt: skip
+GROUPED_CASES = [(1, 3), (64, 3), (2048, 0), (64, 0), (64, 1), (2048, 2)]
 
 
 def _error(actual: torch.Tensor, expected: torch.Tensor) -> float:

@@ -2,7 +2,8 @@
 
 The kernels run here with fp16 activations: Triton's CPU interpreter multiplies bf16 dot operands as their raw
 uint16 bits (3.9), and so it does in bf16 elementwise products, so bf16 MMAs and ``_widen``'s bf16-multiply paths
-(1, 2) are checked on the H200 (tests/gpu/test_mxfp8.py); its float32 path (0) is checked here on its own.
+(1, 2) are checked on the H200 (tests/gpu/test_mxfp8.py); its float32 path (0) is checked here on its own.  The
+fp16-MMA tiles (``widen`` 3, decode's) convert bf16 rows to fp16 before their MMA, so they run here on bf16 too.
 """
 
 import dataclasses
@@ -138,6 +139,39 @@ def test_grouped_kernel_runs_each_group_on_its_rows_and_skips_empty_groups() -> 
             if count:
                 assert relative_error(out[rows], _reference(x[rows], values[group], scales[group])) < 2e-3
             start += count
+
+
+FP16_MMA = Tiles(16, 32, 64, 4, 1, widen=3)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_fp16_mma_tiles_keep_each_row_accurate_whatever_its_magnitude(dtype: torch.dtype) -> None:
+    """bf16 rows far outside fp16's range (2 ** 40, 2 ** -40 times the others) and a zero row: each row within the
+    bf16 tiles' error of the reference, where a plain fp16 conversion gives inf or zeros."""
+    values, scales = mxfp8.quantize(random(40, 96, seed=11, scale=0.05))
+    magnitudes = [1.0, 2.0**40, 2.0**-40, 0.0, 300.0] if dtype == torch.bfloat16 else [1.0, 300.0, 2.0**-10, 0.0]
+    x = (random(len(magnitudes), 96, seed=12) * torch.tensor(magnitudes)[:, None]).to(dtype)
+    reference = _reference(x, values, scales)
+    out = mxfp8_kernels.mxfp8_linear(x, values, mxfp8.block_major(scales), FP16_MMA)
+    assert out.dtype == dtype and torch.isfinite(out).all()
+    for row, magnitude in enumerate(magnitudes):
+        if magnitude == 0.0:
+            assert torch.equal(out[row], torch.zeros_like(out[row]))
+        else:
+            assert relative_error(out[row], reference[row]) < 4e-3, (row, magnitude)
+
+
+def test_fp16_mma_tiles_run_groups_with_split_k_and_fewer_rows_than_groups() -> None:
+    """Two rows over eight groups, both in the last groups (the grid has min(groups, rows) extra row blocks), and
+    a K split; bf16 rows."""
+    groups, n, k = 8, 40, 192
+    values, scales = mxfp8.quantize(random(groups, n, k, seed=13, scale=0.1))
+    ends = torch.tensor([0, 0, 0, 0, 0, 0, 1, 2], dtype=torch.int32)
+    x = random(2, k, seed=14).to(torch.bfloat16)
+    for tiles in (FP16_MMA, dataclasses.replace(FP16_MMA, split_k=3)):
+        out = mxfp8_kernels.mxfp8_grouped_mm(x, values, mxfp8.block_major(scales), ends, tiles)
+        for row, group in ((0, 6), (1, 7)):
+            assert relative_error(out[row], _reference(x[row : row + 1], values[group], scales[group])[0]) < 4e-3
 
 
 def test_grouped_kernel_checks_its_arguments() -> None:
