@@ -27,7 +27,10 @@ class Router(nn.Module):
         self.correction_bias = empty_parameter(text.num_experts, dtype=torch.float32, device=device)
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Expert ids ``[T, k]`` int64 and their weights ``[T, k]`` float32."""
+        """Expert ids ``[T, k]`` int64 and their weights ``[T, k]`` float32 (one kernel after the GEMM on CUDA,
+        ``fused.route``)."""
+        if x.is_cuda:
+            return fused.route(F.linear(x, self.weight), self.correction_bias, self.top_k)
         scores = torch.sigmoid(F.linear(x, self.weight).float())
         chosen = torch.topk(scores + self.correction_bias, self.top_k, dim=-1, sorted=False).indices
         weights = scores.gather(1, chosen)

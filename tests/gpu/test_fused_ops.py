@@ -46,3 +46,18 @@ def test_head_norm_rope_equals_eager_bf16_on_projection_slices(num_tokens: int) 
         weight = random(128, seed=seed, scale=0.3)
         expected = apply_rotary(gemma_rms_norm(x, weight, 1e-6), cos, sin)
         assert differing(fused.head_norm_rope(x, weight, cos, sin, 1e-6), expected) < 1e-3
+
+
+@pytest.mark.parametrize("num_tokens", [1, 64, 8192])
+def test_route_picks_the_eager_routers_experts(num_tokens: int) -> None:
+    """M3's router (128 experts, top-8) from bf16 logits: the experts torch.topk picks (as sets: ties in bf16
+    logits may order them apart) and the same weights within float32 rounding."""
+    logits = random(num_tokens, 128, seed=7, scale=3.0)
+    bias = random(128, seed=8, scale=0.1).float()
+    scores = torch.sigmoid(logits.float())
+    expected = torch.topk(scores + bias, 8, dim=-1).indices
+    ids, weights = fused.route(logits, bias, 8)
+    same_sets = (ids.sort(dim=-1).values == expected.sort(dim=-1).values).all(dim=-1)
+    assert same_sets.float().mean().item() > 0.999  # exact ties at the 8th place may swap one expert
+    chosen = scores.gather(1, ids)
+    torch.testing.assert_close(weights, chosen / chosen.sum(dim=-1, keepdim=True), rtol=1e-6, atol=1e-7)

@@ -107,3 +107,24 @@ def test_combine_expert_rows_matches_torch(dtype: torch.dtype, num_tokens: int, 
     torch.testing.assert_close(actual, expected, rtol=1e-6, atol=1e-6)
     if skipped == pairs:
         assert torch.equal(actual, torch.zeros_like(actual))
+
+
+@pytest.mark.parametrize(("experts", "top_k"), [(128, 8), (40, 4), (16, 1)])
+def test_route_picks_the_routers_experts_and_weights(experts: int, top_k: int) -> None:
+    """``moe.Router``'s eager selection (sigmoid, the correction bias picks, the chosen scores renormalized):
+    the same experts per token (the fused kernel lists them best first), the same weights for each."""
+    logits = random(6, experts, seed=7, scale=3.0).to(torch.bfloat16)
+    bias = random(experts, seed=8, scale=0.5)
+    scores = torch.sigmoid(logits.float())
+    expected_ids = torch.topk(scores + bias, top_k, dim=-1).indices
+    expected_weights = scores.gather(1, expected_ids)
+    expected_weights = expected_weights / expected_weights.sum(dim=-1, keepdim=True)
+    ids, weights = fused.route(logits, bias, top_k)
+    assert ids.dtype == torch.int64 and weights.dtype == torch.float32
+    assert torch.equal(ids, expected_ids)  # topk sorted: best first, as the kernel lists them
+    torch.testing.assert_close(weights, expected_weights, rtol=1e-6, atol=1e-7)
+
+
+def test_route_refuses_more_experts_than_there_are() -> None:
+    with pytest.raises(ValueError, match="top-9 of 8"):
+        fused.route(torch.zeros(2, 8), torch.zeros(8), 9)
