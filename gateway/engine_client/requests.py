@@ -4,10 +4,15 @@ Every optional setting is ``None`` when unset: the engine then applies the OpenA
 stay apart as the contract wants them (a temperature of 0 is greedy, an unset one is 1).
 """
 
+from __future__ import annotations
+
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
-from m3stack.gateway.multimodal.pipeline import PlacedItem
+if TYPE_CHECKING:  # the pipeline imports the image and video codecs (simplejpeg, PyAV), which an
+    # engine-side client such as the serving benchmark on the GPU machine neither has nor needs
+    from m3stack.gateway.multimodal.pipeline import PlacedItem
 
 
 @dataclass(frozen=True)

@@ -6,7 +6,10 @@ item's patches travel inline in the message, or, when its transport says so, in 
 here that the engine reads and unlinks.
 """
 
+from __future__ import annotations
+
 from collections.abc import Iterable
+from typing import TYPE_CHECKING
 
 from m3stack.gateway.engine_client.events import (
     Completion,
@@ -17,7 +20,6 @@ from m3stack.gateway.engine_client.events import (
     TopTokens,
 )
 from m3stack.gateway.engine_client.requests import EngineRequest, SamplingSettings
-from m3stack.gateway.multimodal.pipeline import PlacedItem
 from m3stack.gateway.multimodal.transport import (
     Transport,
     WireDType,
@@ -25,6 +27,10 @@ from m3stack.gateway.multimodal.transport import (
     write_segment,
 )
 from m3stack.proto import engine_pb2
+
+if TYPE_CHECKING:  # the pipeline imports the image and video codecs (simplejpeg, PyAV), which an
+    # engine-side client such as the serving benchmark on the GPU machine neither has nor needs
+    from m3stack.gateway.multimodal.pipeline import PlacedItem
 
 # SamplingSettings fields sent only when set, under the same name in SamplingParams.
 _OPTIONAL_SETTINGS = (
