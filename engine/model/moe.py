@@ -119,10 +119,10 @@ class MoE(nn.Module):
     def _grouped(self, inputs: torch.Tensor, flat_ids: torch.Tensor) -> torch.Tensor:
         """Grouped GEMMs with device-side group offsets: no host sync, so decode steps can be CUDA-graphed.
         Rows past the last expert's group (skipped pairs) are left unwritten; the combine ignores them."""
-        num_experts = self.gate_up_proj.shape[0]
-        counts = torch.zeros(num_experts + 1, dtype=torch.int32, device=inputs.device)
-        counts.scatter_add_(0, flat_ids, torch.ones_like(flat_ids, dtype=torch.int32))
-        offsets = counts[:num_experts].cumsum(0, dtype=torch.int32)
+        # Each expert's end row in the sorted ids: one search (a count, a scatter and a cumulative sum took five
+        # launches, ~8 us of a 1-token step on the H200).
+        experts = torch.arange(self.gate_up_proj.shape[0], device=inputs.device, dtype=flat_ids.dtype)
+        offsets = torch.searchsorted(flat_ids, experts, right=True, out_int32=True)
         if self.gate_up_proj_scale_inv is not None and self.down_proj_scale_inv is not None:
             tokens = inputs.shape[0] // self.router.top_k
             if tokens >= self.dequantize_from_tokens and not torch.cuda.is_current_stream_capturing():
