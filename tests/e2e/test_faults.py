@@ -176,7 +176,9 @@ def test_sigterm_to_the_gateway_finishes_open_streams_and_refuses_new_connection
     def refused() -> bool:
         try:
             httpx.get(f"{gateway_stack.base_url}/health", timeout=2)
-        except httpx.ConnectError:
+        except (httpx.ConnectError, httpx.ReadError, httpx.RemoteProtocolError):
+            # A connection the kernel queued just before the listener closed is reset, never served: refused too
+            # (a clean-clone CI run on 2026-12-04 got 'Connection reset by peer' here).
             return True
         return False
 
