@@ -9,9 +9,11 @@ On the H200 machine, from the repository root (see CONTRIBUTING.md and ../shared
         multi_gpu_reference,multi_gpu_offload,multi_gpu  # 2 GPUs
 
 ``.whl`` holds what the machine lacks: FlashInfer and its two dependencies (``../shared/gpu/fetch-wheels.sh``),
-transformers >= 5.24 (the oracle), and for the serving benchmark's gRPC server grpcio >= 1.85.1 (the generated
-stubs' floor; the machine has 1.84), protobuf, grpcio-health-checking and prometheus_client (``pip download
---no-deps --only-binary=:all: --python-version 3.12 --platform manylinux_2_17_x86_64 ...``), ~48 MB in all.
+transformers 5.24 (the oracle; 5.25 wants a huggingface_hub the machine lacks), and for the serving benchmark's
+engine grpcio >= 1.85.1 (the generated stubs' floor; the machine has 1.84), protobuf, grpcio-health-checking,
+prometheus_client, llguidance, opentelemetry-api/-sdk/-semantic-conventions 1.45.2/0.66b2 (the engine's tracing)
+and pytest-timeout (``pip download --no-deps --only-binary=:all: --python-version 3.12 --platform
+manylinux_2_17_x86_64 ...``), ~52 MB in all.
 
 Writes under --out: ``logs.tar.gz`` (a log per command) and ``results.tar.gz`` (each benchmark's
 ``<name>.json``), and prints the benchmarks' tables, pytest's summaries and a line per stage last.
