@@ -75,7 +75,6 @@ PREFILL_TILES = Tiles(block_m=128, block_n=128, block_k=64, num_warps=8, num_sta
 # dequantize_groups' tile: 16 KiB of FP8 read and 32 KiB of bf16 written a program.
 DEQUANTIZE_BLOCK_N, DEQUANTIZE_BLOCK_K = 64, 256
 ROW_MAX_BLOCK = 2048  # row_abs_max's loads: 4 KiB of bf16 a step
-SUM_SPLITS_BLOCK = 1024  # outputs per program of the split-K sum
 
 
 @triton.jit
@@ -118,14 +117,17 @@ def _fp16_product(x, w, s, acc, row_down, ROW_SCALED: tl.constexpr):
 
 @triton.jit
 def _mxfp8_matmul_kernel(
-    x_ptr, w_ptr, s_ptr, out_ptr, ends_ptr, row_max_ptr,
+    x_ptr, w_ptr, s_ptr, out_ptr, partials_ptr, counters_ptr, ends_ptr, row_max_ptr,
     rows, n, k, k_per_split,
-    stride_x, stride_wg, stride_wn, stride_sg, stride_sk, stride_split, stride_out,
+    stride_x, stride_wg, stride_wn, stride_sg, stride_sk, stride_split, stride_partial, stride_out,
     GROUPS: tl.constexpr, GROUPS_P: tl.constexpr, SPLIT: tl.constexpr, EVEN_K: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, WIDEN: tl.constexpr,
     ROW_SCALED: tl.constexpr,
 ):  # fmt: skip
-    """One ``BLOCK_M x BLOCK_N`` output tile of one group over ``k_per_split`` inputs (program axis 2)."""
+    """One ``BLOCK_M x BLOCK_N`` output tile of one group over ``k_per_split`` inputs (program axis 2).
+
+    Split K (``SPLIT`` programs a tile): each writes its float32 partial, and the last to arrive at the tile's
+    counter adds them all in split order into ``out`` and sets the counter back to 0."""
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     pid_k = tl.program_id(2)
@@ -192,25 +194,21 @@ def _mxfp8_matmul_kernel(
 
     if ROW_SCALED:
         acc = acc * row_up[:, None]
-    out_ptrs = out_ptr + pid_k * stride_split + offs_m[:, None].to(tl.int64) * stride_out + offs_n[None, :]
     mask = mask_m[:, None] & mask_n[None, :]
-    if SPLIT:
-        tl.store(out_ptrs, acc, mask=mask)
-    else:
+    out_ptrs = out_ptr + offs_m[:, None].to(tl.int64) * stride_out + offs_n[None, :]
+    if SPLIT == 1:
         tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask)
-
-
-@triton.jit
-def _sum_splits_kernel(partials_ptr, out_ptr, n, stride_split, stride_partial, stride_out,
-                       SPLITS: tl.constexpr, BLOCK: tl.constexpr):  # fmt: skip
-    """Row ``program_id(0)`` of the K splits' float32 partials, summed in split order, in ``out``'s dtype."""
-    row = tl.program_id(0).to(tl.int64)
-    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    live = offs < n
-    total = tl.zeros((BLOCK,), dtype=tl.float32)
-    for split in tl.static_range(SPLITS):
-        total += tl.load(partials_ptr + split * stride_split + row * stride_partial + offs, mask=live, other=0.0)
-    tl.store(out_ptr + row * stride_out + offs, total.to(out_ptr.dtype.element_ty), mask=live)
+    else:
+        tile_partials = partials_ptr + offs_m[:, None].to(tl.int64) * stride_partial + offs_n[None, :]
+        tl.store(tile_partials + pid_k * stride_split, acc, mask=mask)
+        tl.debug_barrier()  # every thread's partial stored before the counter says so
+        counter = counters_ptr + pid_m * tl.num_programs(1) + pid_n
+        if tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu") == SPLIT - 1:
+            total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            for split in tl.static_range(SPLIT):  # L2 reads (.cg): the other programs' partials, never L1's copy
+                total += tl.load(tile_partials + split * stride_split, mask=mask, other=0.0, cache_modifier=".cg")
+            tl.store(out_ptrs, total.to(out_ptr.dtype.element_ty), mask=mask)
+            tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")  # ready for the next launch
 
 
 @triton.jit
@@ -358,29 +356,46 @@ def _launch(
     # one-token step launch 16x the programs it runs, and the ones that run wait behind them.
     row_blocks = triton.cdiv(rows, tiles.block_m) + (min(groups, rows) if grouped else 0)
     n_blocks = triton.cdiv(n, tiles.block_n)
-    target = out if split == 1 else torch.empty((split, rows, n), dtype=torch.float32, device=x.device)
+    partials = out if split == 1 else torch.empty((split, rows, n), dtype=torch.float32, device=x.device)
+    counters = out if split == 1 else split_counters(x.device, row_blocks * n_blocks)
     # fp16 MMAs over bf16 rows: each row's largest magnitude sets its power-of-two shift into fp16's range.
     row_scaled = tiles.widen == 3 and x.dtype == torch.bfloat16
     row_max = row_abs_max(x) if row_scaled else x
+    # Rows past the groups' ends stay unwritten in every partial; their sum is as undefined as the rows.
     _mxfp8_matmul_kernel[(row_blocks, n_blocks, split)](
-        x, weights, scales, target, ends if grouped else x, row_max,
+        x, weights, scales, out, partials, counters, ends if grouped else x, row_max,
         rows, n, k, k_per_split,
         x.stride(0), weights.stride(0), weights.stride(1), scales.stride(0), scales.stride(2),
-        target.stride(0) if split > 1 else 0, target.stride(-2),
+        partials.stride(0) if split > 1 else 0, partials.stride(-2), out.stride(0),
         GROUPS=groups if grouped else 0, GROUPS_P=triton.next_power_of_2(groups) if grouped else 1,
-        SPLIT=split > 1, EVEN_K=k % k_per_split == 0 and k_per_split % block_k == 0,
+        SPLIT=split, EVEN_K=k % k_per_split == 0 and k_per_split % block_k == 0,
         BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_K=block_k,
         WIDEN=tiles.widen if x.dtype == torch.bfloat16 or tiles.widen == 3 else 0, ROW_SCALED=row_scaled,
         num_warps=tiles.num_warps, num_stages=tiles.num_stages,
     )  # fmt: skip
-    if split > 1:
-        # Rows past the groups' ends stay unwritten in every partial; their sum is as undefined as the rows.  One
-        # launch (torch's sum then copy_ took two, 9 us at a 1-token step on the H200).
-        _sum_splits_kernel[(rows, triton.cdiv(n, SUM_SPLITS_BLOCK))](
-            target, out, n, target.stride(0), target.stride(1), out.stride(0),
-            SPLITS=split, BLOCK=SUM_SPLITS_BLOCK, num_warps=4,
-        )  # fmt: skip
     return out
+
+
+_COUNTERS: dict[torch.device, torch.Tensor] = {}
+COUNTERS_MIN = 65536  # tiles a device's counters cover at first (256 KiB); M3's decode launches need < 1,000
+
+
+def split_counters(device: torch.device, tiles: int) -> torch.Tensor:
+    """Zeroed int32 arrival counters for ``tiles`` output tiles of a split-K launch on ``device``.
+
+    The launch's last program a tile sets its counter back to 0, so one buffer a device serves every launch after
+    it, eager or replayed from a CUDA graph: no memset and no sum kernel a launch (torch's sum and copy took 9 us of
+    a 1-token step's split linear on the H200, a sum kernel 2.5 us).  Launches of one device run one after another
+    (the engine issues its matmuls on one stream).  During CUDA graph capture a buffer too small is not grown (its
+    memory would come from the graph's pool): the launch gets counters of its own, zeroed by a memset the graph
+    replays."""
+    counters = _COUNTERS.get(device)
+    if counters is not None and counters.numel() >= tiles:
+        return counters
+    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        return torch.zeros(tiles, dtype=torch.int32, device=device)
+    _COUNTERS[device] = torch.zeros(max(tiles, COUNTERS_MIN), dtype=torch.int32, device=device)
+    return _COUNTERS[device]
 
 
 def _check_layout(weights: torch.Tensor, scales: torch.Tensor) -> None:

@@ -80,6 +80,27 @@ def test_grouped_kernel_is_as_accurate_as_torch_grouped_mm(tokens: int, widen: i
     assert _error(ours[:owned], reference) <= 1.5 * _error(peer[:owned], reference) + 1e-4
 
 
+def test_split_k_sums_in_the_last_program_bitwise_alike_eager_and_graph_replayed() -> None:
+    """M3's o projection at 1 row (K split in 3, each tile's last program adding the partials), 200 eager launches
+    and 200 replays of a captured one: every output bitwise the first (a partial read before its writer finished
+    would differ), the counters all back at 0."""
+    values, scales, dense = _weights(HIDDEN, 8192, seed=21)
+    x = torch.randn(1, 8192, device="cuda").to(torch.bfloat16)
+    assert mxfp8_kernels.plan_launch(1, HIDDEN, 8192, None, x.device).split > 1
+    first = mxfp8_kernels.mxfp8_linear(x, values, scales)
+    assert _error(first, x.float() @ dense.float().T) < 1e-2
+    eager = [mxfp8_kernels.mxfp8_linear(x, values, scales) for _ in range(200)]
+    graph, stream = torch.cuda.CUDAGraph(), torch.cuda.Stream()
+    with torch.cuda.graph(graph, stream=stream):
+        captured = mxfp8_kernels.mxfp8_linear(x, values, scales)
+    replayed = []
+    for _ in range(200):
+        graph.replay()
+        replayed.append(captured.clone())
+    assert all(torch.equal(out, first) for out in eager + replayed)
+    assert not mxfp8_kernels.split_counters(x.device, 1).any()
+
+
 @pytest.mark.parametrize("tokens", [64, 2048])
 def test_dequantized_experts_are_as_accurate_as_the_fused_kernel(tokens: int) -> None:
     """The MoE's large-step path (experts widened into a bf16 scratch on a side stream, torch's grouped GEMM) and

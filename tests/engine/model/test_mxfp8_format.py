@@ -174,6 +174,22 @@ def test_fp16_mma_tiles_run_groups_with_split_k_and_fewer_rows_than_groups() -> 
             assert relative_error(out[row], _reference(x[row : row + 1], values[group], scales[group])[0]) < 4e-3
 
 
+def test_split_k_launches_leave_their_counters_at_zero_for_the_next() -> None:
+    """The last program of each tile sums the splits and sets the tile's counter back to 0: the same launch three
+    times, and another split count after it, give the reference each time and leave every counter at 0."""
+    values, scales = mxfp8.quantize(random(96, 256, seed=15, scale=0.05))
+    x = random(3, 256, seed=16).half()
+    reference = _reference(x, values, scales)
+    outputs = []
+    for split in (4, 4, 4, 2):
+        tiles = Tiles(16, 32, 32, 4, 1, split_k=split)
+        assert mxfp8_kernels.plan_launch(3, 96, 256, None, torch.device("cpu"), tiles).split == split
+        outputs.append(mxfp8_kernels.mxfp8_linear(x, values, mxfp8.block_major(scales), tiles))
+        assert relative_error(outputs[-1], reference) < 2e-3
+        assert not mxfp8_kernels.split_counters(torch.device("cpu"), 3).any()
+    assert torch.equal(outputs[0], outputs[1]) and torch.equal(outputs[1], outputs[2])
+
+
 def test_grouped_kernel_checks_its_arguments() -> None:
     values, row_major = mxfp8.quantize(random(2, 32, 64, seed=5))
     scales = mxfp8.block_major(row_major)
