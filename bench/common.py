@@ -76,6 +76,23 @@ def write_results(
     return path
 
 
+def graphed(fn: Callable[[], Any]) -> Callable[[], None]:
+    """``fn`` captured in a CUDA graph (after warm-up on a side stream), replayed by the returned callable: how the
+    engine runs decode steps, without a launch's CPU cost between kernels."""
+    import torch
+
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return graph.replay
+
+
 def cuda_time_us(fn: Callable[[], Any], warmup_ms: float = 25, rep_ms: float = 100) -> float:
     """Median time of ``fn`` on the GPU in microseconds (triton.testing.do_bench, CUDA events)."""
     from triton.testing import do_bench

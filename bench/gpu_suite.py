@@ -145,6 +145,8 @@ def stages(results_dir: Path, selected: set[str] | None) -> list[Stage]:
         Stage("mxfp8_moe", bench("mxfp8_moe", "--budget-s", "30", "--tokens", "1,4,16,64,512,2048,8192",
                                  "--rank-tokens", "8,8192"), 60),
         pytest_stage("mxfp8_tests", ["test_mxfp8.py"], 200),
+        # The dense linears with MXFP8 weights against cuBLAS's bf16 at decode sizes (~30 s).
+        Stage("mxfp8_linears", bench("mxfp8_linears"), 90),
         # Issue 29 item 5, not run yet: the serving benchmark's model in BF16 (a) and MXFP8 (f) in the same run, with
         # dense MLPs and with MoE layers (bench/README.md, "MXFP8 weights (config f)").
         *[Stage(f"serving_af_mxfp8{suffix}", bench("serving", "--name", f"serving_af_mxfp8{suffix}", *moe, "--budget-s",

@@ -34,7 +34,7 @@ from typing import Any
 
 import torch
 
-from bench.common import M3_MOE, cuda_time_us, markdown_table, write_results
+from bench.common import M3_MOE, cuda_time_us, graphed, markdown_table, write_results
 from m3stack.engine.distributed.layers import ShardedMoE
 from m3stack.engine.model import mxfp8, mxfp8_kernels
 from m3stack.engine.model.config import TextConfig, parse_config
@@ -127,20 +127,6 @@ def dequantize_into(bf16: MoE, quantized: MoE) -> None:
                 for row in range(parameter.shape[0]):
                     scales = params[name + "_scale_inv"][row]
                     target[name][row] = mxfp8.dequantize(parameter[row], scales, torch.bfloat16)
-
-
-def graphed(fn) -> Any:
-    """``fn`` captured in a CUDA graph (after warm-up on a side stream), replayed by the returned callable."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    return graph.replay
 
 
 def experts_run(layer: MoE, expert_ids: torch.Tensor) -> int:

@@ -1,0 +1,85 @@
+"""M3's dense linears with MXFP8 weights against cuBLAS's bf16 on the same dequantized weights, at decode sizes.
+
+The linears one TP=1 decode step runs outside the experts (attention's q, k|v and o projections, a dense layer's
+MLP, the shared expert), each at 1, 4 and 16 rows, CUDA-graphed as the engine runs decode: ``mxfp8_kernels``'
+plan (``default``: its tiles, K split, the row maxima launch where the tiles multiply in fp16) and the same plan
+widening through float32 (``widen0``), against ``torch.nn.functional.linear`` in bf16.  TB/s: the weight bytes
+each reads (FP8 + scales, or bf16) over its time, against the H200's 4.27 TB/s copy ceiling.  After timing, each
+output is checked against the float32 product of the dequantized weights.
+
+    python -m bench.mxfp8_linears [--out DIR] [--rows 1,4,16]
+"""
+
+import argparse
+import dataclasses
+import logging
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from bench.common import cuda_time_us, graphed, markdown_table, write_results
+from m3stack.engine.model import mxfp8, mxfp8_kernels
+
+logger = logging.getLogger("bench.mxfp8_linears")
+
+COPY_CEILING_TBPS = 4.27
+# (N, K) at M3's dims (hidden 6144, 64 query heads and 4 KV heads of 128, dense MLP 12288, shared expert 3072).
+LINEARS = {
+    "q": (8192, 6144),
+    "k|v": (1024, 6144),
+    "o": (6144, 8192),
+    "dense gate|up": (24576, 6144),
+    "dense down": (6144, 12288),
+    "shared gate|up": (6144, 6144),
+    "shared down": (6144, 3072),
+}
+COLUMNS = ["linear", "rows", "split", "bf16_us", "mxfp8_us", "widen0_us", "mxfp8_over_bf16", "bf16_tbps",
+           "mxfp8_tbps", "rel_err"]  # fmt: skip
+TIMING = {"warmup_ms": 10, "rep_ms": 50}
+
+
+def measure(name: str, n: int, k: int, rows_list: list[int]) -> list[dict[str, Any]]:
+    generator = torch.Generator(device="cuda").manual_seed(n + k)
+    weight = torch.randn(n, k, generator=generator, device="cuda") / k**0.5
+    values, row_major = mxfp8.quantize(weight)
+    scales = mxfp8.block_major(row_major)
+    dense = mxfp8.dequantize(values, row_major, torch.bfloat16)
+    fp8_bytes = values.numel() + scales.numel()
+    out = []
+    for rows in rows_list:
+        x = torch.randn(rows, k, generator=generator, device="cuda").to(torch.bfloat16)
+        plan = mxfp8_kernels.plan_launch(rows, n, k, None, x.device)
+        widen0 = dataclasses.replace(plan.tiles, widen=0)
+        times = {
+            "bf16": cuda_time_us(graphed(lambda: torch.nn.functional.linear(x, dense)), **TIMING),  # noqa: B023
+            "mxfp8": cuda_time_us(graphed(lambda: mxfp8_kernels.mxfp8_linear(x, values, scales)), **TIMING),  # noqa: B023
+            "widen0": cuda_time_us(graphed(lambda: mxfp8_kernels.mxfp8_linear(x, values, scales, widen0)), **TIMING),  # noqa: B023
+        }
+        reference = x.float() @ dense.float().T
+        ours = mxfp8_kernels.mxfp8_linear(x, values, scales).float()
+        row = {"linear": name, "rows": rows, "split": plan.split, **{f"{key}_us": us for key, us in times.items()},
+               "mxfp8_over_bf16": times["bf16"] / times["mxfp8"], "bf16_tbps": dense.numel() * 2 / times["bf16"] / 1e6,
+               "mxfp8_tbps": fp8_bytes / times["mxfp8"] / 1e6,
+               "rel_err": float((ours - reference).norm() / reference.norm())}  # fmt: skip
+        logger.info("%s", row)
+        out.append(row)
+    return out
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, default=None, help="folder for mxfp8_linears.json (default bench/results)")
+    parser.add_argument("--rows", default="1,4,16", help="rows a step (decode tokens)")
+    args = parser.parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    rows_list = [int(value) for value in args.rows.split(",")]
+    rows = [row for name, (n, k) in LINEARS.items() for row in measure(name, n, k, rows_list)]
+    write_results("mxfp8_linears", rows, {"copy_ceiling_tbps": COPY_CEILING_TBPS}, args.out)
+    sys.stdout.write(markdown_table(rows, COLUMNS) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
