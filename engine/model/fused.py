@@ -11,9 +11,10 @@ norm's float32 sum of squares adds in another order.
 
 The MoE's combine (``moe.combine_expert_rows``: each token's routing-weighted sum of its experts' output rows)
 reads the grouped GEMM's rows where they lie instead of unpermuting them, upcasting, scaling and summing in four
-passes over ``[tokens x top-k, hidden]``.  Its router (``moe.Router``: sigmoid, the correction bias, top-k, the
-chosen scores renormalized) is one kernel a token after the router's GEMM instead of eight (~20 us of a 1-token
-MoE step on the H200).
+passes over ``[tokens x top-k, hidden]``, and finishes the layer in the same pass (the routed scaling, the rounding
+to bf16, the shared expert's output added: three launches of a decode step).  Its router (``moe.Router``: sigmoid,
+the correction bias, top-k, the chosen scores renormalized) is one kernel a token after the router's GEMM instead
+of eight (~20 us of a 1-token MoE step on the H200).
 
 The callers (``norm.GemmaRMSNorm``, ``mlp``, ``attention``, ``moe``) use these for CUDA tensors and their torch
 twins elsewhere; the tests run both on CPU under ``TRITON_INTERPRET=1`` and compare them.
@@ -122,11 +123,12 @@ def _head_norm_rope_kernel(
 
 @triton.jit
 def _combine_experts_kernel(
-    rows_ptr, position_ptr, weights_ptr, owned_ptr, out_ptr, stride_rows, hidden,
-    TOP_K: tl.constexpr, BLOCK: tl.constexpr,
+    rows_ptr, position_ptr, weights_ptr, owned_ptr, shared_ptr, out_ptr, stride_rows, stride_shared, hidden, scale,
+    TOP_K: tl.constexpr, BLOCK: tl.constexpr, FINISH: tl.constexpr,
 ):  # fmt: skip
     """``out[t] = sum over slots s of weights[t, s] * rows[position[t, s]]`` in float32, slots in order; a row at
-    or past ``owned`` (a pair no GEMM ran) adds zero whatever it holds."""
+    or past ``owned`` (a pair no GEMM ran) adds zero whatever it holds.  ``FINISH``: the layer's output instead,
+    ``(out[t] * scale)`` rounded to the shared output's dtype plus ``shared[t]`` (rounded as torch's add rounds)."""
     token = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     owned = tl.load(owned_ptr)
@@ -137,7 +139,11 @@ def _combine_experts_kernel(
         width = tl.where(position < owned, hidden, 0)  # a row no GEMM ran: read none of it
         value = tl.load(rows_ptr + position * stride_rows + cols, mask=cols < width, other=0.0)
         total += value.to(tl.float32) * weight
-    tl.store(out_ptr + token * hidden + cols, total, mask=cols < hidden)
+    if FINISH:
+        dtype = out_ptr.dtype.element_ty
+        shared = tl.load(shared_ptr + token * stride_shared + cols, mask=cols < hidden, other=0.0)
+        total = _rounded(_rounded(total * scale, dtype) + shared.to(tl.float32), dtype)
+    tl.store(out_ptr + token * hidden + cols, total.to(out_ptr.dtype.element_ty), mask=cols < hidden)
 
 
 @triton.jit
@@ -184,19 +190,35 @@ def route(logits: torch.Tensor, bias: torch.Tensor, top_k: int) -> tuple[torch.T
 
 
 def combine_expert_rows(
-    rows: torch.Tensor, order: torch.Tensor, weights: torch.Tensor, owned: torch.Tensor
+    rows: torch.Tensor,
+    order: torch.Tensor,
+    weights: torch.Tensor,
+    owned: torch.Tensor,
+    scale: float = 1.0,
+    shared: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """``moe.combine_expert_rows``: float32 ``[T, hidden]`` from the expert-sorted ``rows`` ``[T * k, hidden]``."""
+    """``moe.combine_expert_rows``: float32 ``[T, hidden]`` from the expert-sorted ``rows`` ``[T * k, hidden]``;
+    given the ``shared`` expert's output ``[T, hidden]``, the layer's output in its dtype,
+    ``(sums * scale).to(shared.dtype) + shared``, rounded where those torch ops round.
+
+    Compiled without fused multiply-adds, as the torch ops run: each weighted row and the scaled sum are rounded
+    to float32 before they are added, so the output equals the eager one but for the order of the slots' sum."""
     num_tokens, top_k = weights.shape
     position = torch.empty_like(order)
     position[order] = torch.arange(order.numel(), device=order.device)
     out = torch.empty((num_tokens, rows.shape[1]), dtype=torch.float32, device=rows.device)
+    if shared is not None:
+        if shared.shape != out.shape:
+            raise ValueError(f"shared output {tuple(shared.shape)} must be the combined {tuple(out.shape)}")
+        out = torch.empty_like(out, dtype=shared.dtype)
+        shared = _row_view(shared)
     if num_tokens:
         rows = _row_view(rows)
         grid = (num_tokens, triton.cdiv(rows.shape[1], _COMBINE_BLOCK))
         _combine_experts_kernel[grid](
-            rows, position, weights.float().contiguous(), owned.reshape(1), out, rows.stride(0), rows.shape[1],
-            TOP_K=top_k, BLOCK=_COMBINE_BLOCK, num_warps=4,
+            rows, position, weights.float().contiguous(), owned.reshape(1), out if shared is None else shared, out,
+            rows.stride(0), 0 if shared is None else shared.stride(0), rows.shape[1], scale,
+            TOP_K=top_k, BLOCK=_COMBINE_BLOCK, FINISH=shared is not None, num_warps=4, enable_fp_fusion=False,
         )  # fmt: skip
     return out
 

@@ -7,6 +7,7 @@ stay FP8 with ``<name>_scale_inv`` beside them (``mxfp8``), multiplied by ``mxfp
 """
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -54,15 +55,23 @@ class MoE(nn.Module):
         self.shared_expert = GatedMLP(
             hidden, text.shared_intermediate_size, alpha=self.alpha, limit=self.limit, dtype=dtype, device=device
         )
+        # Set by ``forward`` for the one ``_experts`` call it makes (see there).
+        self._finish: Finish | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``(routed * routed_scaling_factor).to(x.dtype) + shared``, finished by the combine (one kernel on CUDA
+        instead of three launches after it).  ``_experts`` is the hook subclasses override (``ShardedMoE`` maps
+        the ids to its own experts there), so the finish reaches it on ``self`` rather than as an argument."""
         shared = self.shared_expert(x)
         expert_ids, weights = self.router(x)
-        routed = self._experts(x, expert_ids, weights)
-        return (routed * self.routed_scaling_factor).to(x.dtype) + shared
+        self._finish = Finish(self.routed_scaling_factor, shared)
+        try:
+            return self._experts(x, expert_ids, weights)
+        finally:
+            self._finish = None
 
     def _experts(self, x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        """Weighted sum of each token's chosen experts, float32 ``[T, H]``.
+        """Weighted sum of each token's chosen experts, float32 ``[T, H]``; within ``forward``, the layer's output.
 
         Token-expert pairs are sorted by expert so each expert runs one GEMM over its tokens; each token then sums
         its rows, weighted, in slot order (no atomics: the same tokens give the same sums in any batch).
@@ -74,7 +83,7 @@ class MoE(nn.Module):
         inputs = x[order // top_k]
         sorted_out = self.expert_path(x)(inputs, row_ids)
         owned = (row_ids < self.gate_up_proj.shape[0]).sum()  # pairs this module ran: sorted first
-        return combine_expert_rows(sorted_out, order, weights, owned)
+        return combine_expert_rows(sorted_out, order, weights, owned, self._finish)
 
     def expert_path(self, x: torch.Tensor) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
         """How the experts run over activations like ``x``: a method of the expert-sorted rows and each row's
@@ -162,18 +171,33 @@ class MoE(nn.Module):
         return use_grouped_mm(x)
 
 
+@dataclass(frozen=True)
+class Finish:
+    """What the layer does after the routed sum: ``(routed * scale).to(shared.dtype) + shared``."""
+
+    scale: float
+    shared: torch.Tensor
+
+    def apply(self, routed: torch.Tensor) -> torch.Tensor:
+        return (routed * self.scale).to(self.shared.dtype) + self.shared
+
+
 def combine_expert_rows(
-    rows: torch.Tensor, order: torch.Tensor, weights: torch.Tensor, owned: torch.Tensor
+    rows: torch.Tensor, order: torch.Tensor, weights: torch.Tensor, owned: torch.Tensor, finish: Finish | None = None
 ) -> torch.Tensor:
-    """Each token's routing-weighted sum of its experts' outputs, float32 ``[T, H]``, slots summed in order.
+    """Each token's routing-weighted sum of its experts' outputs, float32 ``[T, H]``, slots summed in order; with
+    a ``finish``, that applied to the sums (the layer's output, in the shared output's dtype).
 
     ``rows`` ``[T * k, H]`` are in expert-sorted order: row ``j`` belongs to flat pair ``order[j]`` (token
     ``order[j] // k``, slot ``order[j] % k``).  Rows at or past ``owned`` (a 0-d device tensor: pairs no GEMM
     ran) add zero whatever they hold.  One kernel on CUDA tensors (``model.fused``), its torch twin elsewhere.
     """
     if rows.is_cuda:
-        return fused.combine_expert_rows(rows, order, weights, owned)
-    return combine_expert_rows_eager(rows, order, weights, owned)
+        if finish is None:
+            return fused.combine_expert_rows(rows, order, weights, owned)
+        return fused.combine_expert_rows(rows, order, weights, owned, finish.scale, finish.shared)
+    routed = combine_expert_rows_eager(rows, order, weights, owned)
+    return routed if finish is None else finish.apply(routed)
 
 
 def combine_expert_rows_eager(

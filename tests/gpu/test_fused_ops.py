@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from m3stack.engine.model import fused
+from m3stack.engine.model import fused, moe
 from m3stack.engine.model.mlp import swiglu_oai
 from m3stack.engine.model.norm import gemma_rms_norm
 from m3stack.engine.model.rope import apply_rotary, inverse_frequencies, text_cos_sin
@@ -61,3 +61,29 @@ def test_route_picks_the_eager_routers_experts(num_tokens: int) -> None:
     assert same_sets.float().mean().item() > 0.999  # exact ties at the 8th place may swap one expert
     chosen = scores.gather(1, ids)
     torch.testing.assert_close(weights, chosen / chosen.sum(dim=-1, keepdim=True), rtol=1e-6, atol=1e-7)
+
+
+def sorted_pairs(num_tokens: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """M3's routing shape (128 experts, top-8) as one rank of expert parallelism sees it: a fifth of the pairs
+    belong to other ranks (skip id 128, sorted last).  The sorted ids and ``order`` of ``torch.sort``."""
+    generator = torch.Generator(device=DEVICE).manual_seed(seed)
+    ids = torch.randint(0, 128, (num_tokens * 8,), generator=generator, device=DEVICE)
+    ids[::5] = 128
+    return torch.sort(ids, stable=True)
+
+
+@pytest.mark.parametrize("num_tokens", [1, 64, 8192])
+def test_combine_sums_and_finishes_the_layer_as_the_eager_ops(num_tokens: int) -> None:
+    """The combine of M3's expert rows (bf16 ``[T x 8, 6144]``): float32 sums equal to the eager unpermute, scale
+    and sum's within summation order, and, given the shared output, the layer's output equal bit for bit to the
+    eager ``(sums * scale).to(bf16) + shared`` of its own sums.  Rows no GEMM ran hold NaN and add zero."""
+    row_ids, order = sorted_pairs(num_tokens, seed=9)
+    owned = (row_ids < 128).sum()
+    rows = random(num_tokens * 8, 6144, seed=10, scale=2.0)
+    rows[int(owned) :] = float("nan")
+    weights = torch.rand(num_tokens, 8, generator=torch.Generator(device=DEVICE).manual_seed(11), device=DEVICE)
+    sums = fused.combine_expert_rows(rows, order, weights, owned)
+    torch.testing.assert_close(sums, moe.combine_expert_rows_eager(rows, order, weights, owned))
+    finish = moe.Finish(1.3, random(num_tokens, 6144, seed=12, scale=4.0))
+    out = fused.combine_expert_rows(rows, order, weights, owned, finish.scale, finish.shared)
+    assert not out.isnan().any() and torch.equal(out, finish.apply(sums))

@@ -89,24 +89,53 @@ def test_head_norm_rope_refuses_an_odd_rotary_width() -> None:
         fused.head_norm_rope(torch.zeros(2, 1, 8), torch.zeros(8), cos, cos, 1e-6)
 
 
+def expert_rows(
+    dtype: torch.dtype, num_tokens: int, top_k: int, skipped: int, seed: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A combine's inputs: expert-sorted rows (two column blocks, the second partial), the last ``skipped`` of them
+    NaN (pairs no GEMM ran), each row's pair (``order``), the routing weights and ``owned``."""
+    pairs = num_tokens * top_k
+    rows = random(pairs, 1100, seed=seed, scale=2.0).to(dtype)
+    rows[pairs - skipped :] = float("nan")
+    order = torch.randperm(pairs, generator=torch.Generator().manual_seed(seed + 1))
+    weights = torch.rand(num_tokens, top_k, generator=torch.Generator().manual_seed(seed + 2))
+    return rows, order, weights, torch.tensor(pairs - skipped)
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize(("num_tokens", "top_k", "skipped"), [(5, 2, 0), (7, 8, 0), (6, 4, 9), (3, 2, 6)])
 def test_combine_expert_rows_matches_torch(dtype: torch.dtype, num_tokens: int, top_k: int, skipped: int) -> None:
     """Expert-sorted rows back to tokens, weighted, slots in order; the ``skipped`` rows sorted last (pairs no
     GEMM ran) hold NaN and must add zero (the last case: every pair skipped)."""
-    hidden = 1100  # two column blocks, the second partial
-    pairs = num_tokens * top_k
-    rows = random(pairs, hidden, seed=3, scale=2.0).to(dtype)
-    rows[pairs - skipped :] = float("nan")
-    order = torch.randperm(pairs, generator=torch.Generator().manual_seed(4))
-    weights = torch.rand(num_tokens, top_k, generator=torch.Generator().manual_seed(5))
-    owned = torch.tensor(pairs - skipped)
+    rows, order, weights, owned = expert_rows(dtype, num_tokens, top_k, skipped, seed=3)
     expected = moe.combine_expert_rows(rows, order, weights, owned)
     actual = fused.combine_expert_rows(rows, order, weights, owned)
     assert not expected.isnan().any()
     torch.testing.assert_close(actual, expected, rtol=1e-6, atol=1e-6)
-    if skipped == pairs:
+    if skipped == num_tokens * top_k:
         assert torch.equal(actual, torch.zeros_like(actual))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("num_tokens", "skipped"), [(5, 0), (4, 7)])
+def test_combine_finishes_the_layer_as_the_torch_ops_round(dtype: torch.dtype, num_tokens: int, skipped: int) -> None:
+    """Given the shared expert's output, the combine writes the layer's output, ``(sums * scale).to(dtype) +
+    shared``, equal bit for bit to those torch ops on its own float32 sums (scale 1.3: the products round)."""
+    rows, order, weights, owned = expert_rows(dtype, num_tokens, 4, skipped, seed=9)
+    finish = moe.Finish(1.3, random(num_tokens, rows.shape[1], seed=12, scale=4.0).to(dtype))
+    sums = fused.combine_expert_rows(rows, order, weights, owned)
+    actual = fused.combine_expert_rows(rows, order, weights, owned, finish.scale, finish.shared)
+    assert actual.dtype == dtype and not actual.isnan().any()
+    assert torch.equal(actual, finish.apply(sums))
+    eager = moe.combine_expert_rows(rows, order, weights, owned, finish)  # the torch twin, summing its own way
+    rtol = 2**-7 if dtype == torch.bfloat16 else 1e-6  # a sum one float32 step apart may round one bf16 step apart
+    torch.testing.assert_close(actual.float(), eager.float(), rtol=rtol, atol=1e-5)
+
+
+def test_combine_refuses_a_shared_output_of_another_shape() -> None:
+    with pytest.raises(ValueError, match="must be the combined"):
+        fused.combine_expert_rows(torch.zeros(4, 8), torch.arange(4), torch.ones(2, 2), torch.tensor(4), 2.0,
+                                  torch.zeros(2, 16))  # fmt: skip
 
 
 @pytest.mark.parametrize(("experts", "top_k"), [(128, 8), (40, 4), (16, 1)])

@@ -66,3 +66,17 @@ def test_the_expert_path_of_a_cuda_step_reads_no_device_value_on_the_host(moe, d
         row_ids = torch.randint(0, experts.gate_up_proj.shape[0], (48,)).sort().values
         out = path(torch.randn(48, hidden, dtype=dtype), row_ids)
     assert path != experts._looped and tuple(out.shape) == (48, experts.down_proj.shape[1])
+
+
+def test_forward_finishes_the_routed_sum_and_experts_still_return_sums(moe):
+    """The layer is ``(routed * routed_scaling_factor).to(x.dtype) + shared``, applied by the combine within
+    ``forward``; ``_experts`` called on its own (expert-parallel partial sums, benchmarks) stays float32."""
+    layer = copy.deepcopy(moe).to(torch.bfloat16)
+    x = torch.randn(9, layer.gate_up_proj.shape[2], generator=torch.Generator().manual_seed(6)).to(torch.bfloat16)
+    with torch.inference_mode():
+        out = layer(x)
+        expert_ids, weights = layer.router(x)
+        routed = layer._experts(x, expert_ids, weights)
+        expected = (routed * layer.routed_scaling_factor).to(x.dtype) + layer.shared_expert(x)
+    assert routed.dtype == torch.float32 and out.dtype == torch.bfloat16
+    assert torch.equal(out, expected)
