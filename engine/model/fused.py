@@ -12,9 +12,11 @@ norm's float32 sum of squares adds in another order.
 The MoE's combine (``moe.combine_expert_rows``: each token's routing-weighted sum of its experts' output rows)
 reads the grouped GEMM's rows where they lie instead of unpermuting them, upcasting, scaling and summing in four
 passes over ``[tokens x top-k, hidden]``, and finishes the layer in the same pass (the routed scaling, the rounding
-to bf16, the shared expert's output added: three launches of a decode step).  Its router (``moe.Router``: sigmoid,
-the correction bias, top-k, the chosen scores renormalized) is one kernel a token after the router's GEMM instead
-of eight (~20 us of a 1-token MoE step on the H200).
+to bf16, the shared expert's output added: three launches of a decode step).  Where the sort put each pair
+(``moe.sorted_positions``: each pair's sorted row, each expert's end row, the count of pairs run) is one kernel
+over the sorted rows instead of six launches (a scatter, two aranges, a search, a compare and a sum).  Its router
+(``moe.Router``: sigmoid, the correction bias, top-k, the chosen scores renormalized) is one kernel a token after
+the router's GEMM instead of eight (~20 us of a 1-token MoE step on the H200).
 
 The callers (``norm.GemmaRMSNorm``, ``mlp``, ``attention``, ``moe``) use these for CUDA tensors and their torch
 twins elsewhere; the tests run both on CPU under ``TRITON_INTERPRET=1`` and compare them.
@@ -147,6 +149,24 @@ def _combine_experts_kernel(
 
 
 @triton.jit
+def _sorted_pairs_kernel(
+    ids_ptr, order_ptr, position_ptr, ends_ptr, pairs, experts,
+    EXPERTS_P: tl.constexpr,
+):  # fmt: skip
+    """Sorted row ``program_id(0)``: its pair's position, ``position[order[row]] = row``, and the end rows
+    ``ends[e]`` (the first row whose id exceeds ``e``) that fall on it: this row's for the experts from the row
+    before's id up to this row's, one past the last row's for the experts from the last row's id on."""
+    row = tl.program_id(0)
+    tl.store(position_ptr + tl.load(order_ptr + row), row)
+    expert = tl.arange(0, EXPERTS_P)
+    this_id = tl.load(ids_ptr + row)
+    previous_id = tl.where(row > 0, tl.load(ids_ptr + tl.maximum(row - 1, 0)), 0)
+    upper = tl.where(row == pairs - 1, experts, this_id)
+    mask = (expert >= previous_id) & (expert < upper) & (expert < experts)
+    tl.store(ends_ptr + expert, tl.where(expert < this_id, row, pairs), mask=mask)
+
+
+@triton.jit
 def _route_kernel(
     logits_ptr, bias_ptr, ids_ptr, weights_ptr, experts, stride_logits,
     TOP_K: tl.constexpr, TOP_K_P: tl.constexpr, EXPERTS_P: tl.constexpr,
@@ -189,9 +209,22 @@ def route(logits: torch.Tensor, bias: torch.Tensor, top_k: int) -> tuple[torch.T
     return ids, weights
 
 
+def sorted_positions(row_ids: torch.Tensor, order: torch.Tensor, experts: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``moe.sorted_positions``: each pair's sorted row and each expert's end row, one program per sorted row."""
+    pairs = order.numel()
+    position = torch.empty_like(order)
+    if not pairs:
+        return position, torch.zeros(experts, dtype=torch.int32, device=order.device)
+    ends = torch.empty(experts, dtype=torch.int32, device=order.device)
+    _sorted_pairs_kernel[(pairs,)](
+        row_ids, order, position, ends, pairs, experts, EXPERTS_P=triton.next_power_of_2(experts), num_warps=1
+    )
+    return position, ends
+
+
 def combine_expert_rows(
     rows: torch.Tensor,
-    order: torch.Tensor,
+    position: torch.Tensor,
     weights: torch.Tensor,
     owned: torch.Tensor,
     scale: float = 1.0,
@@ -204,8 +237,6 @@ def combine_expert_rows(
     Compiled without fused multiply-adds, as the torch ops run: each weighted row and the scaled sum are rounded
     to float32 before they are added, so the output equals the eager one but for the order of the slots' sum."""
     num_tokens, top_k = weights.shape
-    position = torch.empty_like(order)
-    position[order] = torch.arange(order.numel(), device=order.device)
     out = torch.empty((num_tokens, rows.shape[1]), dtype=torch.float32, device=rows.device)
     if shared is not None:
         if shared.shape != out.shape:

@@ -80,43 +80,45 @@ class MoE(nn.Module):
         """
         top_k = expert_ids.shape[1]
         row_ids, order = torch.sort(expert_ids.flatten(), stable=True)
+        position, ends = sorted_positions(row_ids, order, self.gate_up_proj.shape[0])
         inputs = x[order // top_k]
-        sorted_out = self.expert_path(x)(inputs, row_ids)
-        owned = (row_ids < self.gate_up_proj.shape[0]).sum()  # pairs this module ran: sorted first
-        return combine_expert_rows(sorted_out, order, weights, owned, self._finish)
+        sorted_out = self.expert_path(x)(inputs, ends)
+        owned = ends[-1]  # pairs this module ran (ids below num_experts): sorted first
+        return combine_expert_rows(sorted_out, position, weights, owned, self._finish)
 
     def expert_path(self, x: torch.Tensor) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
-        """How the experts run over activations like ``x``: a method of the expert-sorted rows and each row's
-        expert id.  A step on CUDA may be captured in a CUDA graph, so its path never reads a device value on the
-        host: the grouped GEMM where torch's (bf16) or the MXFP8 kernel serves the dtype, else every expert over
-        every row.  The per-expert loop (exact, the least work, a host sync) is for the CPU."""
+        """How the experts run over activations like ``x``: a method of the expert-sorted rows and each expert's
+        end row (``sorted_positions``).  A step on CUDA may be captured in a CUDA graph, so its path never reads a
+        device value on the host: the grouped GEMM where torch's (bf16) or the MXFP8 kernel serves the dtype, else
+        every expert over every row.  The per-expert loop (exact, the least work, a host sync) is for the CPU."""
         if self._use_grouped(x):
             return self._grouped
         return self._every_expert if x.is_cuda else self._looped
 
-    def _looped(self, inputs: torch.Tensor, flat_ids: torch.Tensor) -> torch.Tensor:
-        """One GEMM pair per expert that has tokens; the counts go to the host (a sync per layer)."""
-        num_experts = self.gate_up_proj.shape[0]
-        *counts, skipped = torch.bincount(flat_ids, minlength=num_experts + 1).tolist()
+    def _looped(self, inputs: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
+        """One GEMM pair per expert that has tokens; the end rows go to the host (a sync per layer)."""
         outputs, start = [], 0
-        for expert, count in enumerate(counts):
-            if count:
-                rows = inputs[start : start + count]
+        for expert, end in enumerate(ends.tolist()):
+            if end > start:
+                rows = inputs[start:end]
                 gate_up = mxfp8.expert_weight(self.gate_up_proj, self.gate_up_proj_scale_inv, expert, rows.dtype)
                 hidden = swiglu_oai(F.linear(rows, gate_up), self.alpha, self.limit)
                 down = mxfp8.expert_weight(self.down_proj, self.down_proj_scale_inv, expert, rows.dtype)
                 outputs.append(F.linear(hidden, down))
-                start += count
-        outputs.append(inputs.new_zeros(skipped, self.down_proj.shape[1]))
+                start = end
+        outputs.append(inputs.new_zeros(inputs.shape[0] - start, self.down_proj.shape[1]))
         return torch.cat(outputs)
 
-    def _every_expert(self, inputs: torch.Tensor, row_ids: torch.Tensor) -> torch.Tensor:
+    def _every_expert(self, inputs: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
         """Every expert over every row, each row keeping its own expert's output (rows of another rank's experts:
         zero).  E times the grouped GEMM's work, but no shape depends on the routing: the capturable path for CUDA
         activations torch's grouped GEMM does not serve (float32, the exact-comparison configuration), whose
-        fallback, like the loop's ``torch.bincount``, copies device values to pageable host memory, which CUDA graph
-        capture refuses ('Cannot copy between CPU and CUDA tensors during CUDA graph capture unless the CPU tensor
+        fallback, like the loop's end rows (``tolist``), copies device values to pageable host memory, which CUDA
+        graph capture refuses ('Cannot copy between CPU and CUDA tensors during CUDA graph capture unless the CPU tensor
         is pinned')."""
+        # Row r's expert: the number of experts whose rows end at or before r (num_experts past the owned rows).
+        rows = torch.arange(inputs.shape[0], device=inputs.device, dtype=ends.dtype)
+        row_ids = torch.searchsorted(ends, rows, right=True)
         out = inputs.new_zeros(inputs.shape[0], self.down_proj.shape[1])
         for expert in range(self.gate_up_proj.shape[0]):
             gate_up = mxfp8.expert_weight(self.gate_up_proj, self.gate_up_proj_scale_inv, expert, inputs.dtype)
@@ -125,13 +127,10 @@ class MoE(nn.Module):
             out = torch.where((row_ids == expert)[:, None], rows, out)
         return out
 
-    def _grouped(self, inputs: torch.Tensor, flat_ids: torch.Tensor) -> torch.Tensor:
-        """Grouped GEMMs with device-side group offsets: no host sync, so decode steps can be CUDA-graphed.
-        Rows past the last expert's group (skipped pairs) are left unwritten; the combine ignores them."""
-        # Each expert's end row in the sorted ids: one search (a count, a scatter and a cumulative sum took five
-        # launches, ~8 us of a 1-token step on the H200).
-        experts = torch.arange(self.gate_up_proj.shape[0], device=inputs.device, dtype=flat_ids.dtype)
-        offsets = torch.searchsorted(flat_ids, experts, right=True, out_int32=True)
+    def _grouped(self, inputs: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+        """Grouped GEMMs with device-side group offsets (the experts' end rows): no host sync, so decode steps can
+        be CUDA-graphed.  Rows past the last expert's group (skipped pairs) are left unwritten; the combine ignores
+        them."""
         if self.gate_up_proj_scale_inv is not None and self.down_proj_scale_inv is not None:
             tokens = inputs.shape[0] // self.router.top_k
             if tokens >= self.dequantize_from_tokens and not torch.cuda.is_current_stream_capturing():
@@ -182,33 +181,56 @@ class Finish:
         return (routed * self.scale).to(self.shared.dtype) + self.shared
 
 
+def sorted_positions(row_ids: torch.Tensor, order: torch.Tensor, experts: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Where ``torch.sort`` put the flat token-expert pairs: ``position[p]``, pair ``p``'s row in the sorted order
+    (the inverse of ``order``), and ``ends[e]`` int32, the first row whose id exceeds ``e`` (the grouped GEMMs'
+    group offsets; ``ends[-1]`` counts the pairs with an id below ``experts``, the ones this module runs).  One
+    kernel on CUDA tensors (``model.fused``), torch ops elsewhere."""
+    if order.is_cuda:
+        return fused.sorted_positions(row_ids, order, experts)
+    return sorted_positions_eager(row_ids, order, experts)
+
+
+def sorted_positions_eager(
+    row_ids: torch.Tensor, order: torch.Tensor, experts: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``sorted_positions`` in torch ops: a scatter of the rows' numbers, a search for each expert's end."""
+    position = torch.empty_like(order)
+    position[order] = torch.arange(order.numel(), device=order.device)
+    ids = torch.arange(experts, device=row_ids.device, dtype=row_ids.dtype)
+    return position, torch.searchsorted(row_ids, ids, right=True, out_int32=True)
+
+
 def combine_expert_rows(
-    rows: torch.Tensor, order: torch.Tensor, weights: torch.Tensor, owned: torch.Tensor, finish: Finish | None = None
+    rows: torch.Tensor,
+    position: torch.Tensor,
+    weights: torch.Tensor,
+    owned: torch.Tensor,
+    finish: Finish | None = None,
 ) -> torch.Tensor:
     """Each token's routing-weighted sum of its experts' outputs, float32 ``[T, H]``, slots summed in order; with
     a ``finish``, that applied to the sums (the layer's output, in the shared output's dtype).
 
-    ``rows`` ``[T * k, H]`` are in expert-sorted order: row ``j`` belongs to flat pair ``order[j]`` (token
-    ``order[j] // k``, slot ``order[j] % k``).  Rows at or past ``owned`` (a 0-d device tensor: pairs no GEMM
-    ran) add zero whatever they hold.  One kernel on CUDA tensors (``model.fused``), its torch twin elsewhere.
+    ``rows`` ``[T * k, H]`` are in expert-sorted order: flat pair ``p`` (token ``p // k``, slot ``p % k``) is row
+    ``position[p]``.  Rows at or past ``owned`` (a 0-d device tensor: pairs no GEMM ran) add zero whatever they
+    hold.  One kernel on CUDA tensors (``model.fused``), its torch twin elsewhere.
     """
     if rows.is_cuda:
         if finish is None:
-            return fused.combine_expert_rows(rows, order, weights, owned)
-        return fused.combine_expert_rows(rows, order, weights, owned, finish.scale, finish.shared)
-    routed = combine_expert_rows_eager(rows, order, weights, owned)
+            return fused.combine_expert_rows(rows, position, weights, owned)
+        return fused.combine_expert_rows(rows, position, weights, owned, finish.scale, finish.shared)
+    routed = combine_expert_rows_eager(rows, position, weights, owned)
     return routed if finish is None else finish.apply(routed)
 
 
 def combine_expert_rows_eager(
-    rows: torch.Tensor, order: torch.Tensor, weights: torch.Tensor, owned: torch.Tensor
+    rows: torch.Tensor, position: torch.Tensor, weights: torch.Tensor, owned: torch.Tensor
 ) -> torch.Tensor:
-    """``combine_expert_rows`` in torch ops: unpermute, upcast, scale, sum (four passes over the rows)."""
+    """``combine_expert_rows`` in torch ops: gather, mask, upcast, scale, sum (five passes over the rows)."""
     num_tokens, top_k = weights.shape
-    ran = torch.arange(rows.shape[0], device=rows.device) < owned
-    unsorted = torch.empty_like(rows)
-    unsorted[order] = torch.where(ran[:, None], rows, 0)
-    return (unsorted.view(num_tokens, top_k, -1).float() * weights[..., None]).sum(dim=1)
+    ran = (position < owned).view(num_tokens, top_k, 1)
+    picked = torch.where(ran, rows[position].view(num_tokens, top_k, -1), 0)
+    return (picked.float() * weights[..., None]).sum(dim=1)
 
 
 def grouped_mm(inputs: torch.Tensor, weights: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:

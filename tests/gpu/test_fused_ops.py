@@ -73,17 +73,26 @@ def sorted_pairs(num_tokens: int, seed: int) -> tuple[torch.Tensor, torch.Tensor
 
 
 @pytest.mark.parametrize("num_tokens", [1, 64, 8192])
+def test_sorted_positions_equal_the_eager_scatter_and_search(num_tokens: int) -> None:
+    row_ids, order = sorted_pairs(num_tokens, seed=8)
+    position, ends = fused.sorted_positions(row_ids, order, 128)
+    expected_position, expected_ends = moe.sorted_positions_eager(row_ids, order, 128)
+    assert torch.equal(position, expected_position) and torch.equal(ends, expected_ends)
+
+
+@pytest.mark.parametrize("num_tokens", [1, 64, 8192])
 def test_combine_sums_and_finishes_the_layer_as_the_eager_ops(num_tokens: int) -> None:
-    """The combine of M3's expert rows (bf16 ``[T x 8, 6144]``): float32 sums equal to the eager unpermute, scale
-    and sum's within summation order, and, given the shared output, the layer's output equal bit for bit to the
-    eager ``(sums * scale).to(bf16) + shared`` of its own sums.  Rows no GEMM ran hold NaN and add zero."""
+    """The combine of M3's expert rows (bf16 ``[T x 8, 6144]``): float32 sums equal to the eager gather, scale and
+    sum's within summation order, and, given the shared output, the layer's output equal bit for bit to the eager
+    ``(sums * scale).to(bf16) + shared`` of its own sums.  Rows no GEMM ran hold NaN and add zero."""
     row_ids, order = sorted_pairs(num_tokens, seed=9)
-    owned = (row_ids < 128).sum()
+    position, ends = moe.sorted_positions_eager(row_ids, order, 128)
+    owned = ends[-1]
     rows = random(num_tokens * 8, 6144, seed=10, scale=2.0)
     rows[int(owned) :] = float("nan")
     weights = torch.rand(num_tokens, 8, generator=torch.Generator(device=DEVICE).manual_seed(11), device=DEVICE)
-    sums = fused.combine_expert_rows(rows, order, weights, owned)
-    torch.testing.assert_close(sums, moe.combine_expert_rows_eager(rows, order, weights, owned))
+    sums = fused.combine_expert_rows(rows, position, weights, owned)
+    torch.testing.assert_close(sums, moe.combine_expert_rows_eager(rows, position, weights, owned))
     finish = moe.Finish(1.3, random(num_tokens, 6144, seed=12, scale=4.0))
-    out = fused.combine_expert_rows(rows, order, weights, owned, finish.scale, finish.shared)
+    out = fused.combine_expert_rows(rows, position, weights, owned, finish.scale, finish.shared)
     assert not out.isnan().any() and torch.equal(out, finish.apply(sums))

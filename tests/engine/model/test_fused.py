@@ -93,13 +93,13 @@ def expert_rows(
     dtype: torch.dtype, num_tokens: int, top_k: int, skipped: int, seed: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """A combine's inputs: expert-sorted rows (two column blocks, the second partial), the last ``skipped`` of them
-    NaN (pairs no GEMM ran), each row's pair (``order``), the routing weights and ``owned``."""
+    NaN (pairs no GEMM ran), each pair's row (``position``), the routing weights and ``owned``."""
     pairs = num_tokens * top_k
     rows = random(pairs, 1100, seed=seed, scale=2.0).to(dtype)
     rows[pairs - skipped :] = float("nan")
-    order = torch.randperm(pairs, generator=torch.Generator().manual_seed(seed + 1))
+    position = torch.randperm(pairs, generator=torch.Generator().manual_seed(seed + 1))
     weights = torch.rand(num_tokens, top_k, generator=torch.Generator().manual_seed(seed + 2))
-    return rows, order, weights, torch.tensor(pairs - skipped)
+    return rows, position, weights, torch.tensor(pairs - skipped)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -107,9 +107,9 @@ def expert_rows(
 def test_combine_expert_rows_matches_torch(dtype: torch.dtype, num_tokens: int, top_k: int, skipped: int) -> None:
     """Expert-sorted rows back to tokens, weighted, slots in order; the ``skipped`` rows sorted last (pairs no
     GEMM ran) hold NaN and must add zero (the last case: every pair skipped)."""
-    rows, order, weights, owned = expert_rows(dtype, num_tokens, top_k, skipped, seed=3)
-    expected = moe.combine_expert_rows(rows, order, weights, owned)
-    actual = fused.combine_expert_rows(rows, order, weights, owned)
+    rows, position, weights, owned = expert_rows(dtype, num_tokens, top_k, skipped, seed=3)
+    expected = moe.combine_expert_rows(rows, position, weights, owned)
+    actual = fused.combine_expert_rows(rows, position, weights, owned)
     assert not expected.isnan().any()
     torch.testing.assert_close(actual, expected, rtol=1e-6, atol=1e-6)
     if skipped == num_tokens * top_k:
@@ -121,13 +121,13 @@ def test_combine_expert_rows_matches_torch(dtype: torch.dtype, num_tokens: int, 
 def test_combine_finishes_the_layer_as_the_torch_ops_round(dtype: torch.dtype, num_tokens: int, skipped: int) -> None:
     """Given the shared expert's output, the combine writes the layer's output, ``(sums * scale).to(dtype) +
     shared``, equal bit for bit to those torch ops on its own float32 sums (scale 1.3: the products round)."""
-    rows, order, weights, owned = expert_rows(dtype, num_tokens, 4, skipped, seed=9)
+    rows, position, weights, owned = expert_rows(dtype, num_tokens, 4, skipped, seed=9)
     finish = moe.Finish(1.3, random(num_tokens, rows.shape[1], seed=12, scale=4.0).to(dtype))
-    sums = fused.combine_expert_rows(rows, order, weights, owned)
-    actual = fused.combine_expert_rows(rows, order, weights, owned, finish.scale, finish.shared)
+    sums = fused.combine_expert_rows(rows, position, weights, owned)
+    actual = fused.combine_expert_rows(rows, position, weights, owned, finish.scale, finish.shared)
     assert actual.dtype == dtype and not actual.isnan().any()
     assert torch.equal(actual, finish.apply(sums))
-    eager = moe.combine_expert_rows(rows, order, weights, owned, finish)  # the torch twin, summing its own way
+    eager = moe.combine_expert_rows(rows, position, weights, owned, finish)  # the torch twin, summing its own way
     rtol = 2**-7 if dtype == torch.bfloat16 else 1e-6  # a sum one float32 step apart may round one bf16 step apart
     torch.testing.assert_close(actual.float(), eager.float(), rtol=rtol, atol=1e-5)
 
@@ -136,6 +136,30 @@ def test_combine_refuses_a_shared_output_of_another_shape() -> None:
     with pytest.raises(ValueError, match="must be the combined"):
         fused.combine_expert_rows(torch.zeros(4, 8), torch.arange(4), torch.ones(2, 2), torch.tensor(4), 2.0,
                                   torch.zeros(2, 16))  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("pairs", "experts", "skipped"),
+    [(40, 16, 0), (40, 16, 15), (3, 128, 0), (1, 4, 0), (12, 5, 12), (7, 40, 2)],
+    ids=["spread", "some-skipped", "few-pairs-many-experts", "one-pair", "all-skipped", "uneven"],
+)
+def test_sorted_positions_match_torch(pairs: int, experts: int, skipped: int) -> None:
+    """Each pair's sorted row (``order``'s inverse) and each expert's end row, ``ends[-1]`` the pairs with an id
+    below ``experts``, as the scatter and the search compute them; the skip id ``experts`` sorts last."""
+    generator = torch.Generator().manual_seed(pairs + experts)
+    ids = torch.randint(0, experts, (pairs,), generator=generator)
+    ids[torch.randperm(pairs, generator=generator)[:skipped]] = experts
+    row_ids, order = torch.sort(ids, stable=True)
+    position, ends = fused.sorted_positions(row_ids, order, experts)
+    expected_position, expected_ends = moe.sorted_positions_eager(row_ids, order, experts)
+    assert position.dtype == order.dtype and ends.dtype == torch.int32
+    assert torch.equal(position, expected_position) and torch.equal(ends, expected_ends)
+    assert int(ends[-1]) == pairs - skipped
+
+
+def test_sorted_positions_of_no_pairs_are_empty_groups() -> None:
+    position, ends = fused.sorted_positions(torch.zeros(0, dtype=torch.int64), torch.zeros(0, dtype=torch.int64), 6)
+    assert position.shape == (0,) and torch.equal(ends, torch.zeros(6, dtype=torch.int32))
 
 
 @pytest.mark.parametrize(("experts", "top_k"), [(128, 8), (40, 4), (16, 1)])

@@ -8,13 +8,19 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from m3stack.engine.model.loader import load_model
-from m3stack.engine.model.moe import MoE
+from m3stack.engine.model.moe import MoE, sorted_positions
 
 
 @pytest.fixture(scope="module")
 def moe(tiny_model_dir) -> MoE:
     model, _ = load_model(tiny_model_dir)
     return next(layer.mlp for layer in model.layers if isinstance(layer.mlp, MoE))
+
+
+def end_rows(moe: MoE, row_ids: list[int]) -> torch.Tensor:
+    """Each expert's end row in the sorted ``row_ids``, as the expert paths take them."""
+    ids = torch.tensor(row_ids)
+    return sorted_positions(ids, torch.arange(len(row_ids)), moe.gate_up_proj.shape[0])[1]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -24,11 +30,12 @@ def test_grouped_every_expert_and_looped_paths_agree(moe, dtype):
     with torch.inference_mode():
         expert_ids, _ = moe.router(x)
         row_ids, order = torch.sort(expert_ids.flatten(), stable=True)
+        ends = end_rows(moe, row_ids.tolist())
         inputs = x[order // expert_ids.shape[1]].to(dtype)
         experts = copy.deepcopy(moe).to(dtype)
-        looped = experts._looped(inputs, row_ids)
-        grouped = experts._grouped(inputs, row_ids)
-        every = experts._every_expert(inputs, row_ids)
+        looped = experts._looped(inputs, ends)
+        grouped = experts._grouped(inputs, ends)
+        every = experts._every_expert(inputs, ends)
     tolerance = 1e-5 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(grouped.float(), looped.float(), rtol=tolerance, atol=tolerance)
     torch.testing.assert_close(every.float(), looped.float(), rtol=tolerance, atol=tolerance)
@@ -36,11 +43,11 @@ def test_grouped_every_expert_and_looped_paths_agree(moe, dtype):
 
 def test_experts_without_tokens_are_empty_groups(moe):
     x = torch.randn(3, moe.gate_up_proj.shape[2])
-    row_ids = torch.tensor([0, 0, 3])  # experts 1 and 2 get nothing
+    ends = end_rows(moe, [0, 0, 3])  # experts 1 and 2 get nothing
     with torch.inference_mode():
-        looped = moe._looped(x, row_ids)
-        torch.testing.assert_close(moe._grouped(x, row_ids), looped, rtol=1e-5, atol=1e-5)
-        torch.testing.assert_close(moe._every_expert(x, row_ids), looped, rtol=1e-5, atol=1e-5)
+        looped = moe._looped(x, ends)
+        torch.testing.assert_close(moe._grouped(x, ends), looped, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(moe._every_expert(x, ends), looped, rtol=1e-5, atol=1e-5)
 
 
 def test_every_expert_path_leaves_other_ranks_rows_zero(moe):
@@ -48,23 +55,24 @@ def test_every_expert_path_leaves_other_ranks_rows_zero(moe):
     x = torch.randn(3, moe.gate_up_proj.shape[2])
     skip = moe.gate_up_proj.shape[0]
     with torch.inference_mode():
-        out = moe._every_expert(x, torch.tensor([1, skip, skip]))
+        out = moe._every_expert(x, end_rows(moe, [1, skip, skip]))
     assert torch.equal(out[1:], torch.zeros_like(out[1:])) and bool(out[0].abs().sum() > 0)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_the_expert_path_of_a_cuda_step_reads_no_device_value_on_the_host(moe, dtype):
     """A decode step on CUDA is captured in a CUDA graph, where a device value read on the host fails (the float32
-    engine's capture on the H200: the loop's ``torch.bincount`` copies the ids' minimum to pageable memory, 'Cannot
-    copy between CPU and CUDA tensors during CUDA graph capture unless the CPU tensor is pinned').  Fake tensors
-    carry shapes, not values: any value-dependent step (``bincount``, ``tolist``, ``item``) raises under them.  The
-    path is chosen for CUDA activations (a fake CUDA tensor) and run here on CPU tensors."""
+    engine's capture on the H200: the loop's ``torch.bincount``, as it was, copied the ids' minimum to pageable
+    memory, 'Cannot copy between CPU and CUDA tensors during CUDA graph capture unless the CPU tensor is pinned').
+    Fake tensors carry shapes, not values: any value-dependent step (``bincount``, ``tolist``, ``item``) raises
+    under them.  The path is chosen for CUDA activations (a fake CUDA tensor) and run here on CPU tensors."""
     experts = copy.deepcopy(moe).to(dtype)
     hidden = experts.gate_up_proj.shape[2]
     with torch.inference_mode(), FakeTensorMode(allow_non_fake_inputs=True):
         path = experts.expert_path(torch.empty(1, hidden, dtype=dtype, device="cuda"))
         row_ids = torch.randint(0, experts.gate_up_proj.shape[0], (48,)).sort().values
-        out = path(torch.randn(48, hidden, dtype=dtype), row_ids)
+        ends = sorted_positions(row_ids, torch.arange(48), experts.gate_up_proj.shape[0])[1]
+        out = path(torch.randn(48, hidden, dtype=dtype), ends)
     assert path != experts._looped and tuple(out.shape) == (48, experts.down_proj.shape[1])
 
 
