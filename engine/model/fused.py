@@ -12,11 +12,12 @@ norm's float32 sum of squares adds in another order.
 The MoE's combine (``moe.combine_expert_rows``: each token's routing-weighted sum of its experts' output rows)
 reads the grouped GEMM's rows where they lie instead of unpermuting them, upcasting, scaling and summing in four
 passes over ``[tokens x top-k, hidden]``, and finishes the layer in the same pass (the routed scaling, the rounding
-to bf16, the shared expert's output added: three launches of a decode step).  Where the sort put each pair
-(``moe.sorted_positions``: each pair's sorted row, each expert's end row, the count of pairs run) is one kernel
-over the sorted rows instead of six launches (a scatter, two aranges, a search, a compare and a sum).  Its router
-(``moe.Router``: sigmoid, the correction bias, top-k, the chosen scores renormalized) is one kernel a token after
-the router's GEMM instead of eight (~20 us of a 1-token MoE step on the H200).
+to bf16, the shared expert's output added: three launches of a decode step).  Its dispatch (``moe.dispatch``,
+after the sort: the tokens' rows in expert order, each pair's sorted row, each expert's end row, the count of
+pairs run) is one kernel over the sorted rows instead of eight launches (a division, a gather, a scatter, two
+aranges, a search, a compare and a sum).  Its router (``moe.Router``: sigmoid, the correction bias, top-k, the
+chosen scores renormalized) is one kernel a token after the router's GEMM instead of eight (~20 us of a 1-token
+MoE step on the H200).
 
 The callers (``norm.GemmaRMSNorm``, ``mlp``, ``attention``, ``moe``) use these for CUDA tensors and their torch
 twins elsewhere; the tests run both on CPU under ``TRITON_INTERPRET=1`` and compare them.
@@ -28,6 +29,7 @@ import triton.language as tl
 
 _SWIGLU_BLOCK = 1024
 _COMBINE_BLOCK = 1024
+_DISPATCH_BLOCK = 1024
 
 
 @triton.jit
@@ -149,21 +151,27 @@ def _combine_experts_kernel(
 
 
 @triton.jit
-def _sorted_pairs_kernel(
-    ids_ptr, order_ptr, position_ptr, ends_ptr, pairs, experts,
-    EXPERTS_P: tl.constexpr,
+def _dispatch_kernel(
+    x_ptr, ids_ptr, order_ptr, inputs_ptr, position_ptr, ends_ptr, stride_x, stride_inputs, hidden, pairs, experts,
+    TOP_K: tl.constexpr, EXPERTS_P: tl.constexpr, BLOCK: tl.constexpr,
 ):  # fmt: skip
-    """Sorted row ``program_id(0)``: its pair's position, ``position[order[row]] = row``, and the end rows
-    ``ends[e]`` (the first row whose id exceeds ``e``) that fall on it: this row's for the experts from the row
-    before's id up to this row's, one past the last row's for the experts from the last row's id on."""
-    row = tl.program_id(0)
-    tl.store(position_ptr + tl.load(order_ptr + row), row)
-    expert = tl.arange(0, EXPERTS_P)
-    this_id = tl.load(ids_ptr + row)
-    previous_id = tl.where(row > 0, tl.load(ids_ptr + tl.maximum(row - 1, 0)), 0)
-    upper = tl.where(row == pairs - 1, experts, this_id)
-    mask = (expert >= previous_id) & (expert < upper) & (expert < experts)
-    tl.store(ends_ptr + expert, tl.where(expert < this_id, row, pairs), mask=mask)
+    """Sorted row ``program_id(0)``, columns block ``program_id(1)``: its pair's token's row of ``x``.  Block 0 also
+    writes the pair's position, ``position[order[row]] = row``, and the end rows ``ends[e]`` (the first row whose
+    id exceeds ``e``) that fall on this row: its own for the experts from the row before's id up to this row's,
+    one past the last row's for the experts from the last row's id on."""
+    row = tl.program_id(0).to(tl.int64)
+    pair = tl.load(order_ptr + row)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    token_row = tl.load(x_ptr + (pair // TOP_K) * stride_x + cols, mask=cols < hidden)
+    tl.store(inputs_ptr + row * stride_inputs + cols, token_row, mask=cols < hidden)
+    if tl.program_id(1) == 0:
+        tl.store(position_ptr + pair, row)
+        expert = tl.arange(0, EXPERTS_P)
+        this_id = tl.load(ids_ptr + row)
+        previous_id = tl.where(row > 0, tl.load(ids_ptr + tl.maximum(row - 1, 0)), 0)
+        upper = tl.where(row == pairs - 1, experts, this_id)
+        mask = (expert >= previous_id) & (expert < upper) & (expert < experts)
+        tl.store(ends_ptr + expert, tl.where(expert < this_id, row, pairs), mask=mask)
 
 
 @triton.jit
@@ -209,17 +217,23 @@ def route(logits: torch.Tensor, bias: torch.Tensor, top_k: int) -> tuple[torch.T
     return ids, weights
 
 
-def sorted_positions(row_ids: torch.Tensor, order: torch.Tensor, experts: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """``moe.sorted_positions``: each pair's sorted row and each expert's end row, one program per sorted row."""
+def dispatch_sorted(
+    x: torch.Tensor, row_ids: torch.Tensor, order: torch.Tensor, top_k: int, experts: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``moe.dispatch`` after its sort: the inputs ``[T * k, H]``, each pair's sorted row and each expert's end row
+    (int32), one program per sorted row and block of columns."""
     pairs = order.numel()
+    x = _row_view(x)
+    inputs = torch.empty((pairs, x.shape[1]), dtype=x.dtype, device=x.device)
     position = torch.empty_like(order)
     if not pairs:
-        return position, torch.zeros(experts, dtype=torch.int32, device=order.device)
+        return inputs, position, torch.zeros(experts, dtype=torch.int32, device=order.device)
     ends = torch.empty(experts, dtype=torch.int32, device=order.device)
-    _sorted_pairs_kernel[(pairs,)](
-        row_ids, order, position, ends, pairs, experts, EXPERTS_P=triton.next_power_of_2(experts), num_warps=1
-    )
-    return position, ends
+    _dispatch_kernel[(pairs, triton.cdiv(x.shape[1], _DISPATCH_BLOCK))](
+        x, row_ids, order, inputs, position, ends, x.stride(0), inputs.stride(0), x.shape[1], pairs, experts,
+        TOP_K=top_k, EXPERTS_P=triton.next_power_of_2(experts), BLOCK=_DISPATCH_BLOCK, num_warps=4,
+    )  # fmt: skip
+    return inputs, position, ends
 
 
 def combine_expert_rows(

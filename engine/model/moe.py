@@ -8,6 +8,7 @@ stay FP8 with ``<name>_scale_inv`` beside them (``mxfp8``), multiplied by ``mxfp
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -78,17 +79,14 @@ class MoE(nn.Module):
         An id of ``num_experts`` marks a pair this module does not run (another rank's expert under expert
         parallelism): such pairs sort after every expert's rows, no GEMM covers them, and they add exactly zero.
         """
-        top_k = expert_ids.shape[1]
-        row_ids, order = torch.sort(expert_ids.flatten(), stable=True)
-        position, ends = sorted_positions(row_ids, order, self.gate_up_proj.shape[0])
-        inputs = x[order // top_k]
-        sorted_out = self.expert_path(x)(inputs, ends)
-        owned = ends[-1]  # pairs this module ran (ids below num_experts): sorted first
-        return combine_expert_rows(sorted_out, position, weights, owned, self._finish)
+        pairs = dispatch(x, expert_ids, self.gate_up_proj.shape[0])
+        sorted_out = self.expert_path(x)(pairs.inputs, pairs.ends)
+        owned = pairs.ends[-1]  # pairs this module ran (ids below num_experts): sorted first
+        return combine_expert_rows(sorted_out, pairs.position, weights, owned, self._finish)
 
     def expert_path(self, x: torch.Tensor) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
         """How the experts run over activations like ``x``: a method of the expert-sorted rows and each expert's
-        end row (``sorted_positions``).  A step on CUDA may be captured in a CUDA graph, so its path never reads a
+        end row (``Dispatched``).  A step on CUDA may be captured in a CUDA graph, so its path never reads a
         device value on the host: the grouped GEMM where torch's (bf16) or the MXFP8 kernel serves the dtype, else
         every expert over every row.  The per-expert loop (exact, the least work, a host sync) is for the CPU."""
         if self._use_grouped(x):
@@ -181,24 +179,34 @@ class Finish:
         return (routed * self.scale).to(self.shared.dtype) + self.shared
 
 
-def sorted_positions(row_ids: torch.Tensor, order: torch.Tensor, experts: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Where ``torch.sort`` put the flat token-expert pairs: ``position[p]``, pair ``p``'s row in the sorted order
-    (the inverse of ``order``), and ``ends[e]`` int32, the first row whose id exceeds ``e`` (the grouped GEMMs'
-    group offsets; ``ends[-1]`` counts the pairs with an id below ``experts``, the ones this module runs).  One
-    kernel on CUDA tensors (``model.fused``), torch ops elsewhere."""
-    if order.is_cuda:
-        return fused.sorted_positions(row_ids, order, experts)
-    return sorted_positions_eager(row_ids, order, experts)
+class Dispatched(NamedTuple):
+    """The flat token-expert pairs (pair ``p``: token ``p // k``, slot ``p % k``) sorted by expert id, stably."""
+
+    inputs: torch.Tensor  # [T * k, H]: row j is the token row of the j-th pair in expert order
+    position: torch.Tensor  # [T * k]: pair p's row in that order
+    ends: torch.Tensor  # [E] int32: the first row whose id exceeds e (the grouped GEMMs' group offsets)
 
 
-def sorted_positions_eager(
-    row_ids: torch.Tensor, order: torch.Tensor, experts: int
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """``sorted_positions`` in torch ops: a scatter of the rows' numbers, a search for each expert's end."""
+def dispatch(x: torch.Tensor, expert_ids: torch.Tensor, experts: int) -> Dispatched:
+    """``x``'s rows for the pairs of ``expert_ids`` ``[T, k]``, sorted by expert; ids of ``experts`` (pairs this
+    module does not run) sort last, so ``ends[-1]`` counts the pairs it runs.  After ``torch.sort``, one kernel on
+    CUDA tensors (``model.fused``), torch ops elsewhere."""
+    row_ids, order = torch.sort(expert_ids.flatten(), stable=True)
+    top_k = expert_ids.shape[1]
+    if x.is_cuda:
+        return Dispatched(*fused.dispatch_sorted(x, row_ids, order, top_k, experts))
+    return Dispatched(*dispatch_sorted_eager(x, row_ids, order, top_k, experts))
+
+
+def dispatch_sorted_eager(
+    x: torch.Tensor, row_ids: torch.Tensor, order: torch.Tensor, top_k: int, experts: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``dispatch`` after its sort in torch ops: a gather of the rows, a scatter of their numbers, a search for each
+    expert's end."""
     position = torch.empty_like(order)
     position[order] = torch.arange(order.numel(), device=order.device)
     ids = torch.arange(experts, device=row_ids.device, dtype=row_ids.dtype)
-    return position, torch.searchsorted(row_ids, ids, right=True, out_int32=True)
+    return x[order // top_k], position, torch.searchsorted(row_ids, ids, right=True, out_int32=True)
 
 
 def combine_expert_rows(

@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from m3stack.engine.model import fused, moe
+from m3stack.engine.model.config import parse_config
 from m3stack.engine.model.mlp import swiglu_oai
 from m3stack.engine.model.norm import gemma_rms_norm
 from m3stack.engine.model.rope import apply_rotary, inverse_frequencies, text_cos_sin
@@ -73,11 +74,14 @@ def sorted_pairs(num_tokens: int, seed: int) -> tuple[torch.Tensor, torch.Tensor
 
 
 @pytest.mark.parametrize("num_tokens", [1, 64, 8192])
-def test_sorted_positions_equal_the_eager_scatter_and_search(num_tokens: int) -> None:
+def test_dispatch_equals_the_eager_gather_scatter_and_search(num_tokens: int) -> None:
+    """M3's dispatch (bf16 tokens of 6144, 128 experts, top-8): the same rows, positions and end rows."""
+    x = random(num_tokens, 6144, seed=7, scale=2.0)
     row_ids, order = sorted_pairs(num_tokens, seed=8)
-    position, ends = fused.sorted_positions(row_ids, order, 128)
-    expected_position, expected_ends = moe.sorted_positions_eager(row_ids, order, 128)
-    assert torch.equal(position, expected_position) and torch.equal(ends, expected_ends)
+    inputs, position, ends = fused.dispatch_sorted(x, row_ids, order, 8, 128)
+    expected_inputs, expected_position, expected_ends = moe.dispatch_sorted_eager(x, row_ids, order, 8, 128)
+    assert torch.equal(inputs, expected_inputs) and torch.equal(position, expected_position)
+    assert torch.equal(ends, expected_ends)
 
 
 @pytest.mark.parametrize("num_tokens", [1, 64, 8192])
@@ -85,14 +89,51 @@ def test_combine_sums_and_finishes_the_layer_as_the_eager_ops(num_tokens: int) -
     """The combine of M3's expert rows (bf16 ``[T x 8, 6144]``): float32 sums equal to the eager gather, scale and
     sum's within summation order, and, given the shared output, the layer's output equal bit for bit to the eager
     ``(sums * scale).to(bf16) + shared`` of its own sums.  Rows no GEMM ran hold NaN and add zero."""
-    row_ids, order = sorted_pairs(num_tokens, seed=9)
-    position, ends = moe.sorted_positions_eager(row_ids, order, 128)
-    owned = ends[-1]
+    generator = torch.Generator(device=DEVICE).manual_seed(9)
+    position = torch.randperm(num_tokens * 8, generator=generator, device=DEVICE)
+    owned = torch.tensor(num_tokens * 8 * 4 // 5, device=DEVICE)  # the rest: another rank's pairs
     rows = random(num_tokens * 8, 6144, seed=10, scale=2.0)
     rows[int(owned) :] = float("nan")
-    weights = torch.rand(num_tokens, 8, generator=torch.Generator(device=DEVICE).manual_seed(11), device=DEVICE)
+    weights = torch.rand(num_tokens, 8, generator=generator, device=DEVICE)
     sums = fused.combine_expert_rows(rows, position, weights, owned)
     torch.testing.assert_close(sums, moe.combine_expert_rows_eager(rows, position, weights, owned))
     finish = moe.Finish(1.3, random(num_tokens, 6144, seed=12, scale=4.0))
     out = fused.combine_expert_rows(rows, position, weights, owned, finish.scale, finish.shared)
     assert not out.isnan().any() and torch.equal(out, finish.apply(sums))
+
+
+@pytest.fixture(scope="module")
+def m3_moe() -> moe.MoE:
+    """M3's MoE layer shape (hidden 6144, 128 experts, top-8, a shared expert) with 256 rows an expert (to stay
+    small) and a routed scaling of 2.5 (its products round), random bf16 weights."""
+    text = parse_config({"model_type": "minimax_m3_vl", "text_config": {
+        "hidden_size": 6144, "intermediate_size": 256, "shared_intermediate_size": 256, "num_local_experts": 128,
+        "num_experts_per_tok": 8, "routed_scaling_factor": 2.5}}).text  # fmt: skip
+    layer = moe.MoE(text, dtype=torch.bfloat16, device=DEVICE)
+    generator = torch.Generator(device=DEVICE).manual_seed(14)
+    with torch.no_grad():
+        for parameter in layer.parameters():
+            parameter.normal_(0, parameter.shape[-1] ** -0.5, generator=generator)
+        layer.router.correction_bias.zero_()
+    return layer
+
+
+@pytest.mark.parametrize("num_tokens", [1, 64, 8192])
+def test_moe_layer_equals_its_eager_ops(m3_moe: moe.MoE, num_tokens: int) -> None:
+    """The layer's forward (fused dispatch, then combine and finish, around torch's grouped GEMMs), eagerly and
+    replayed from a CUDA graph, against the eager ops on the same routing and GEMMs: only the float32 sums' order
+    may move an output by a bf16 step."""
+    x = random(num_tokens, 6144, seed=13, scale=1.0)
+    with torch.inference_mode():
+        out = m3_moe(x)
+        ids, weights = m3_moe.router(x)
+        row_ids, order = torch.sort(ids.flatten(), stable=True)
+        inputs, position, ends = moe.dispatch_sorted_eager(x, row_ids, order, 8, 128)
+        sums = moe.combine_expert_rows_eager(m3_moe._grouped(inputs, ends), position, weights, ends[-1])
+        expected = moe.Finish(m3_moe.routed_scaling_factor, m3_moe.shared_expert(x)).apply(sums)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            captured = m3_moe(x)
+        graph.replay()
+    assert differing(out, expected) < 1e-3
+    assert torch.equal(captured, out)

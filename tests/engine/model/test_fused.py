@@ -138,28 +138,33 @@ def test_combine_refuses_a_shared_output_of_another_shape() -> None:
                                   torch.zeros(2, 16))  # fmt: skip
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize(
-    ("pairs", "experts", "skipped"),
-    [(40, 16, 0), (40, 16, 15), (3, 128, 0), (1, 4, 0), (12, 5, 12), (7, 40, 2)],
+    ("num_tokens", "top_k", "experts", "skipped"),
+    [(10, 4, 16, 0), (10, 4, 16, 15), (3, 1, 128, 0), (1, 1, 4, 0), (3, 4, 5, 12), (7, 1, 40, 2)],
     ids=["spread", "some-skipped", "few-pairs-many-experts", "one-pair", "all-skipped", "uneven"],
 )
-def test_sorted_positions_match_torch(pairs: int, experts: int, skipped: int) -> None:
-    """Each pair's sorted row (``order``'s inverse) and each expert's end row, ``ends[-1]`` the pairs with an id
-    below ``experts``, as the scatter and the search compute them; the skip id ``experts`` sorts last."""
+def test_dispatch_matches_torch(dtype: torch.dtype, num_tokens: int, top_k: int, experts: int, skipped: int) -> None:
+    """After the sort: the tokens' rows in expert order (two column blocks, the second partial), each pair's sorted
+    row (``order``'s inverse) and each expert's end row, ``ends[-1]`` the pairs with an id below ``experts``, as
+    the gather, the scatter and the search compute them; the skip id ``experts`` sorts last."""
+    pairs = num_tokens * top_k
     generator = torch.Generator().manual_seed(pairs + experts)
     ids = torch.randint(0, experts, (pairs,), generator=generator)
     ids[torch.randperm(pairs, generator=generator)[:skipped]] = experts
+    x = random(num_tokens, 1100, seed=pairs).to(dtype)
     row_ids, order = torch.sort(ids, stable=True)
-    position, ends = fused.sorted_positions(row_ids, order, experts)
-    expected_position, expected_ends = moe.sorted_positions_eager(row_ids, order, experts)
+    inputs, position, ends = fused.dispatch_sorted(x, row_ids, order, top_k, experts)
+    expected_inputs, expected_position, expected_ends = moe.dispatch_sorted_eager(x, row_ids, order, top_k, experts)
     assert position.dtype == order.dtype and ends.dtype == torch.int32
-    assert torch.equal(position, expected_position) and torch.equal(ends, expected_ends)
-    assert int(ends[-1]) == pairs - skipped
+    assert torch.equal(inputs, expected_inputs) and torch.equal(position, expected_position)
+    assert torch.equal(ends, expected_ends) and int(ends[-1]) == pairs - skipped
 
 
-def test_sorted_positions_of_no_pairs_are_empty_groups() -> None:
-    position, ends = fused.sorted_positions(torch.zeros(0, dtype=torch.int64), torch.zeros(0, dtype=torch.int64), 6)
-    assert position.shape == (0,) and torch.equal(ends, torch.zeros(6, dtype=torch.int32))
+def test_dispatch_of_no_tokens_is_empty_groups() -> None:
+    none = torch.zeros(0, dtype=torch.int64)
+    inputs, position, ends = fused.dispatch_sorted(torch.zeros(0, 8), none, none, 2, 6)
+    assert inputs.shape == (0, 8) and position.shape == (0,) and torch.equal(ends, torch.zeros(6, dtype=torch.int32))
 
 
 @pytest.mark.parametrize(("experts", "top_k"), [(128, 8), (40, 4), (16, 1)])

@@ -8,7 +8,7 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from m3stack.engine.model.loader import load_model
-from m3stack.engine.model.moe import MoE, sorted_positions
+from m3stack.engine.model.moe import MoE, dispatch
 
 
 @pytest.fixture(scope="module")
@@ -17,10 +17,11 @@ def moe(tiny_model_dir) -> MoE:
     return next(layer.mlp for layer in model.layers if isinstance(layer.mlp, MoE))
 
 
-def end_rows(moe: MoE, row_ids: list[int]) -> torch.Tensor:
-    """Each expert's end row in the sorted ``row_ids``, as the expert paths take them."""
-    ids = torch.tensor(row_ids)
-    return sorted_positions(ids, torch.arange(len(row_ids)), moe.gate_up_proj.shape[0])[1]
+def end_rows(moe: MoE, row_ids: list[int] | torch.Tensor) -> torch.Tensor:
+    """Each expert's end row in the sorted ``row_ids`` (the first row past its group), as the expert paths take
+    them."""
+    experts = torch.arange(moe.gate_up_proj.shape[0])
+    return torch.searchsorted(torch.as_tensor(row_ids), experts, right=True, out_int32=True)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -29,9 +30,7 @@ def test_grouped_every_expert_and_looped_paths_agree(moe, dtype):
     x = torch.randn(37, moe.gate_up_proj.shape[2], generator=generator)
     with torch.inference_mode():
         expert_ids, _ = moe.router(x)
-        row_ids, order = torch.sort(expert_ids.flatten(), stable=True)
-        ends = end_rows(moe, row_ids.tolist())
-        inputs = x[order // expert_ids.shape[1]].to(dtype)
+        inputs, _, ends = dispatch(x.to(dtype), expert_ids, moe.gate_up_proj.shape[0])
         experts = copy.deepcopy(moe).to(dtype)
         looped = experts._looped(inputs, ends)
         grouped = experts._grouped(inputs, ends)
@@ -71,8 +70,7 @@ def test_the_expert_path_of_a_cuda_step_reads_no_device_value_on_the_host(moe, d
     with torch.inference_mode(), FakeTensorMode(allow_non_fake_inputs=True):
         path = experts.expert_path(torch.empty(1, hidden, dtype=dtype, device="cuda"))
         row_ids = torch.randint(0, experts.gate_up_proj.shape[0], (48,)).sort().values
-        ends = sorted_positions(row_ids, torch.arange(48), experts.gate_up_proj.shape[0])[1]
-        out = path(torch.randn(48, hidden, dtype=dtype), ends)
+        out = path(torch.randn(48, hidden, dtype=dtype), end_rows(experts, row_ids))
     assert path != experts._looped and tuple(out.shape) == (48, experts.down_proj.shape[1])
 
 
