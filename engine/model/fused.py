@@ -12,12 +12,13 @@ norm's float32 sum of squares adds in another order.
 The MoE's combine (``moe.combine_expert_rows``: each token's routing-weighted sum of its experts' output rows)
 reads the grouped GEMM's rows where they lie instead of unpermuting them, upcasting, scaling and summing in four
 passes over ``[tokens x top-k, hidden]``, and finishes the layer in the same pass (the routed scaling, the rounding
-to bf16, the shared expert's output added: three launches of a decode step).  Its dispatch (``moe.dispatch``,
-after the sort: the tokens' rows in expert order, each pair's sorted row, each expert's end row, the count of
-pairs run) is one kernel over the sorted rows instead of eight launches (a division, a gather, a scatter, two
-aranges, a search, a compare and a sum).  Its router (``moe.Router``: sigmoid, the correction bias, top-k, the
-chosen scores renormalized) is one kernel a token after the router's GEMM instead of eight (~20 us of a 1-token
-MoE step on the H200).
+to bf16, the shared expert's output added: three launches of a decode step).  Its dispatch (``moe.dispatch``:
+the tokens' rows in expert order, each pair's sorted row, each expert's end row, the count of pairs run) is one
+kernel instead of eight launches after ``torch.sort`` (a division, a gather, a scatter, two aranges, a search, a
+compare and a sum); for a decode step's few pairs that kernel also sorts them (``torch.sort`` of up to 4096
+values is four launches, by ATen's ``cuda/Sort.cpp``: an arange, two copies, the sort).  Its router
+(``moe.Router``: sigmoid, the correction bias, top-k, the chosen scores renormalized) is one kernel a token after
+the router's GEMM instead of eight (~20 us of a 1-token MoE step on the H200).
 
 The callers (``norm.GemmaRMSNorm``, ``mlp``, ``attention``, ``moe``) use these for CUDA tensors and their torch
 twins elsewhere; the tests run both on CPU under ``TRITON_INTERPRET=1`` and compare them.
@@ -30,6 +31,9 @@ import triton.language as tl
 _SWIGLU_BLOCK = 1024
 _COMBINE_BLOCK = 1024
 _DISPATCH_BLOCK = 1024
+# The most token-expert pairs ``dispatch`` ranks in one kernel (each pair reads every pair's id: quadratic work),
+# 64 decode tokens at top-8; a larger step sorts with torch.sort first.  A bound chosen, not measured.
+RANKED_PAIRS = 512
 
 
 @triton.jit
@@ -151,27 +155,70 @@ def _combine_experts_kernel(
 
 
 @triton.jit
+def _copy_token_row(x_ptr, inputs_ptr, token, row, stride_x, stride_inputs, hidden, BLOCK: tl.constexpr):
+    """Columns block ``program_id(1)`` of ``x[token]`` into ``inputs[row]``."""
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    values = tl.load(x_ptr + token * stride_x + cols, mask=cols < hidden)
+    tl.store(inputs_ptr + row * stride_inputs + cols, values, mask=cols < hidden)
+
+
+@triton.jit
+def _store_end_rows(
+    ends_ptr, lowest, upper, group_id, first_row, pairs, experts,
+    EXPERTS_P: tl.constexpr,
+):  # fmt: skip
+    """``ends[e]`` (the first sorted row whose id exceeds ``e``) for ``lowest <= e < upper``, the experts whose ends
+    fall on the first row of the group of id ``group_id``: that row below the id, ``pairs`` (one past the last row)
+    from it on."""
+    expert = tl.arange(0, EXPERTS_P)
+    mask = (expert >= lowest) & (expert < upper) & (expert < experts)
+    tl.store(ends_ptr + expert, tl.where(expert < group_id, first_row, pairs), mask=mask)
+
+
+@triton.jit
 def _dispatch_kernel(
     x_ptr, ids_ptr, order_ptr, inputs_ptr, position_ptr, ends_ptr, stride_x, stride_inputs, hidden, pairs, experts,
     TOP_K: tl.constexpr, EXPERTS_P: tl.constexpr, BLOCK: tl.constexpr,
 ):  # fmt: skip
-    """Sorted row ``program_id(0)``, columns block ``program_id(1)``: its pair's token's row of ``x``.  Block 0 also
-    writes the pair's position, ``position[order[row]] = row``, and the end rows ``ends[e]`` (the first row whose
-    id exceeds ``e``) that fall on this row: its own for the experts from the row before's id up to this row's,
-    one past the last row's for the experts from the last row's id on."""
+    """Sorted row ``program_id(0)`` (``ids`` sorted, ``order`` the sort's): its pair's token row, a block of columns
+    a program.  Block 0 also writes the pair's position, ``position[order[row]] = row``, and the end rows that fall
+    on this row: the experts from the row before's id up to this row's, to the last for the last row."""
     row = tl.program_id(0).to(tl.int64)
     pair = tl.load(order_ptr + row)
-    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    token_row = tl.load(x_ptr + (pair // TOP_K) * stride_x + cols, mask=cols < hidden)
-    tl.store(inputs_ptr + row * stride_inputs + cols, token_row, mask=cols < hidden)
+    _copy_token_row(x_ptr, inputs_ptr, pair // TOP_K, row, stride_x, stride_inputs, hidden, BLOCK)
     if tl.program_id(1) == 0:
         tl.store(position_ptr + pair, row)
-        expert = tl.arange(0, EXPERTS_P)
         this_id = tl.load(ids_ptr + row)
         previous_id = tl.where(row > 0, tl.load(ids_ptr + tl.maximum(row - 1, 0)), 0)
         upper = tl.where(row == pairs - 1, experts, this_id)
-        mask = (expert >= previous_id) & (expert < upper) & (expert < experts)
-        tl.store(ends_ptr + expert, tl.where(expert < this_id, row, pairs), mask=mask)
+        _store_end_rows(ends_ptr, previous_id, upper, this_id, row, pairs, experts, EXPERTS_P)
+
+
+@triton.jit
+def _rank_dispatch_kernel(
+    x_ptr, ids_ptr, inputs_ptr, position_ptr, ends_ptr, stride_x, stride_inputs, hidden, pairs, experts,
+    TOP_K: tl.constexpr, EXPERTS_P: tl.constexpr, PAIRS_P: tl.constexpr, BLOCK: tl.constexpr,
+):  # fmt: skip
+    """``_dispatch_kernel`` without the sort, for a few pairs: pair ``program_id(0)`` finds its sorted row among
+    all ``pairs`` (the ``ids`` in flat order, at most ``PAIRS_P``): the pairs of lower ids, then those of its id
+    that come before it (a stable sort).  The pairs of an id write the same end rows, those falling on their
+    group's first row: from the next lower id present (or 0) up to their own, to the last for the highest id."""
+    pair = tl.program_id(0).to(tl.int64)
+    this_id = tl.load(ids_ptr + pair)
+    each = tl.arange(0, PAIRS_P)
+    live = each < pairs
+    each_id = tl.load(ids_ptr + each, mask=live, other=0)
+    lower = live & (each_id < this_id)
+    earlier = live & (each_id == this_id) & (each < pair)
+    higher = live & (each_id > this_id)
+    first_row = tl.sum(lower.to(tl.int32), axis=0)
+    row = first_row + tl.sum(earlier.to(tl.int32), axis=0)
+    _copy_token_row(x_ptr, inputs_ptr, pair // TOP_K, row, stride_x, stride_inputs, hidden, BLOCK)
+    if tl.program_id(1) == 0:
+        tl.store(position_ptr + pair, row)
+        previous_id = tl.max(tl.where(lower, each_id, 0), axis=0)
+        upper = tl.where(tl.sum(higher.to(tl.int32), axis=0) == 0, experts, this_id)
+        _store_end_rows(ends_ptr, previous_id, upper, this_id, first_row, pairs, experts, EXPERTS_P)
 
 
 @triton.jit
@@ -217,11 +264,33 @@ def route(logits: torch.Tensor, bias: torch.Tensor, top_k: int) -> tuple[torch.T
     return ids, weights
 
 
+def dispatch(
+    x: torch.Tensor, expert_ids: torch.Tensor, experts: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``moe.dispatch``: the inputs ``[T * k, H]``, each pair's sorted row and each expert's end row (int32).  Up to
+    ``RANKED_PAIRS`` pairs (decode steps) one kernel, each pair counting the pairs sorted before it, instead of
+    ``torch.sort`` and ``dispatch_sorted``; a larger step sorts first."""
+    pairs, top_k = expert_ids.numel(), expert_ids.shape[1]
+    if not pairs or pairs > RANKED_PAIRS:
+        row_ids, order = torch.sort(expert_ids.flatten(), stable=True)
+        return dispatch_sorted(x, row_ids, order, top_k, experts)
+    x, ids = _row_view(x), expert_ids.flatten().contiguous()
+    inputs = torch.empty((pairs, x.shape[1]), dtype=x.dtype, device=x.device)
+    position = torch.empty(pairs, dtype=torch.int64, device=x.device)
+    ends = torch.empty(experts, dtype=torch.int32, device=x.device)
+    _rank_dispatch_kernel[(pairs, triton.cdiv(x.shape[1], _DISPATCH_BLOCK))](
+        x, ids, inputs, position, ends, x.stride(0), inputs.stride(0), x.shape[1], pairs, experts,
+        TOP_K=top_k, EXPERTS_P=triton.next_power_of_2(experts), PAIRS_P=RANKED_PAIRS, BLOCK=_DISPATCH_BLOCK,
+        num_warps=4,
+    )  # fmt: skip
+    return inputs, position, ends
+
+
 def dispatch_sorted(
     x: torch.Tensor, row_ids: torch.Tensor, order: torch.Tensor, top_k: int, experts: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``moe.dispatch`` after its sort: the inputs ``[T * k, H]``, each pair's sorted row and each expert's end row
-    (int32), one program per sorted row and block of columns."""
+    """``moe.dispatch`` after ``torch.sort`` (``row_ids, order``), one program per sorted row and block of
+    columns."""
     pairs = order.numel()
     x = _row_view(x)
     inputs = torch.empty((pairs, x.shape[1]), dtype=x.dtype, device=x.device)

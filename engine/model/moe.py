@@ -189,13 +189,13 @@ class Dispatched(NamedTuple):
 
 def dispatch(x: torch.Tensor, expert_ids: torch.Tensor, experts: int) -> Dispatched:
     """``x``'s rows for the pairs of ``expert_ids`` ``[T, k]``, sorted by expert; ids of ``experts`` (pairs this
-    module does not run) sort last, so ``ends[-1]`` counts the pairs it runs.  After ``torch.sort``, one kernel on
-    CUDA tensors (``model.fused``), torch ops elsewhere."""
-    row_ids, order = torch.sort(expert_ids.flatten(), stable=True)
-    top_k = expert_ids.shape[1]
+    module does not run) sort last, so ``ends[-1]`` counts the pairs it runs.  On CUDA tensors one kernel for a
+    decode step, ``torch.sort`` and one kernel for larger ones (``model.fused``); ``torch.sort`` and torch ops
+    elsewhere."""
     if x.is_cuda:
-        return Dispatched(*fused.dispatch_sorted(x, row_ids, order, top_k, experts))
-    return Dispatched(*dispatch_sorted_eager(x, row_ids, order, top_k, experts))
+        return Dispatched(*fused.dispatch(x, expert_ids, experts))
+    row_ids, order = torch.sort(expert_ids.flatten(), stable=True)
+    return Dispatched(*dispatch_sorted_eager(x, row_ids, order, expert_ids.shape[1], experts))
 
 
 def dispatch_sorted_eager(

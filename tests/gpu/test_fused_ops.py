@@ -64,24 +64,19 @@ def test_route_picks_the_eager_routers_experts(num_tokens: int) -> None:
     torch.testing.assert_close(weights, chosen / chosen.sum(dim=-1, keepdim=True), rtol=1e-6, atol=1e-7)
 
 
-def sorted_pairs(num_tokens: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """M3's routing shape (128 experts, top-8) as one rank of expert parallelism sees it: a fifth of the pairs
-    belong to other ranks (skip id 128, sorted last).  The sorted ids and ``order`` of ``torch.sort``."""
-    generator = torch.Generator(device=DEVICE).manual_seed(seed)
-    ids = torch.randint(0, 128, (num_tokens * 8,), generator=generator, device=DEVICE)
-    ids[::5] = 128
-    return torch.sort(ids, stable=True)
-
-
 @pytest.mark.parametrize("num_tokens", [1, 64, 8192])
-def test_dispatch_equals_the_eager_gather_scatter_and_search(num_tokens: int) -> None:
-    """M3's dispatch (bf16 tokens of 6144, 128 experts, top-8): the same rows, positions and end rows."""
+def test_dispatch_equals_the_sort_and_the_eager_gather_scatter_and_search(num_tokens: int) -> None:
+    """M3's dispatch (bf16 tokens of 6144, 128 experts, top-8) as one rank of expert parallelism sees it, a fifth of
+    the pairs another rank's (skip id 128): the same rows, positions and end rows as ``torch.sort`` then the eager
+    ops, whether the kernel ranks the pairs (1, 64 tokens) or sorts first (8192)."""
     x = random(num_tokens, 6144, seed=7, scale=2.0)
-    row_ids, order = sorted_pairs(num_tokens, seed=8)
-    inputs, position, ends = fused.dispatch_sorted(x, row_ids, order, 8, 128)
-    expected_inputs, expected_position, expected_ends = moe.dispatch_sorted_eager(x, row_ids, order, 8, 128)
-    assert torch.equal(inputs, expected_inputs) and torch.equal(position, expected_position)
-    assert torch.equal(ends, expected_ends)
+    generator = torch.Generator(device=DEVICE).manual_seed(8)
+    ids = torch.randint(0, 128, (num_tokens, 8), generator=generator, device=DEVICE)
+    ids.view(-1)[::5] = 128
+    actual = fused.dispatch(x, ids, 128)
+    row_ids, order = torch.sort(ids.flatten(), stable=True)
+    expected = moe.dispatch_sorted_eager(x, row_ids, order, 8, 128)
+    assert all(torch.equal(a, e) for a, e in zip(actual, expected, strict=True))
 
 
 @pytest.mark.parametrize("num_tokens", [1, 64, 8192])

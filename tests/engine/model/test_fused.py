@@ -138,27 +138,29 @@ def test_combine_refuses_a_shared_output_of_another_shape() -> None:
                                   torch.zeros(2, 16))  # fmt: skip
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize(
     ("num_tokens", "top_k", "experts", "skipped"),
-    [(10, 4, 16, 0), (10, 4, 16, 15), (3, 1, 128, 0), (1, 1, 4, 0), (3, 4, 5, 12), (7, 1, 40, 2)],
-    ids=["spread", "some-skipped", "few-pairs-many-experts", "one-pair", "all-skipped", "uneven"],
+    [(10, 4, 16, 0), (10, 4, 16, 15), (3, 1, 128, 0), (1, 1, 4, 0), (3, 4, 5, 12), (64, 8, 128, 100), (65, 8, 8, 9)],
+    ids=["spread", "some-skipped", "few-pairs-many-experts", "one-pair", "all-skipped", "most-ranked", "sorted"],
 )
-def test_dispatch_matches_torch(dtype: torch.dtype, num_tokens: int, top_k: int, experts: int, skipped: int) -> None:
-    """After the sort: the tokens' rows in expert order (two column blocks, the second partial), each pair's sorted
-    row (``order``'s inverse) and each expert's end row, ``ends[-1]`` the pairs with an id below ``experts``, as
-    the gather, the scatter and the search compute them; the skip id ``experts`` sorts last."""
+def test_dispatch_matches_the_sort_and_torch(num_tokens: int, top_k: int, experts: int, skipped: int) -> None:
+    """The tokens' rows in expert order (two column blocks, the second partial), each pair's sorted row and each
+    expert's end row (``ends[-1]``: the pairs with an id below ``experts``), as ``torch.sort``'s stable order, the
+    gather, the scatter and the search give them: after the sort (``dispatch_sorted``) and with the pairs ranked
+    in the kernel (``dispatch``, up to ``RANKED_PAIRS``; the last case, past it, sorts first).  The skip id
+    ``experts`` sorts last; ties keep the flat order."""
     pairs = num_tokens * top_k
     generator = torch.Generator().manual_seed(pairs + experts)
     ids = torch.randint(0, experts, (pairs,), generator=generator)
     ids[torch.randperm(pairs, generator=generator)[:skipped]] = experts
-    x = random(num_tokens, 1100, seed=pairs).to(dtype)
+    x = random(num_tokens, 1100, seed=pairs).to(torch.bfloat16)
     row_ids, order = torch.sort(ids, stable=True)
-    inputs, position, ends = fused.dispatch_sorted(x, row_ids, order, top_k, experts)
-    expected_inputs, expected_position, expected_ends = moe.dispatch_sorted_eager(x, row_ids, order, top_k, experts)
-    assert position.dtype == order.dtype and ends.dtype == torch.int32
-    assert torch.equal(inputs, expected_inputs) and torch.equal(position, expected_position)
-    assert torch.equal(ends, expected_ends) and int(ends[-1]) == pairs - skipped
+    expected = moe.dispatch_sorted_eager(x, row_ids, order, top_k, experts)
+    assert int(expected[2][-1]) == pairs - skipped
+    sorted_first = fused.dispatch_sorted(x, row_ids, order, top_k, experts)
+    for actual in (sorted_first, fused.dispatch(x, ids.view(num_tokens, top_k), experts)):
+        assert [a.dtype for a in actual] == [e.dtype for e in expected]
+        assert all(torch.equal(a, e) for a, e in zip(actual, expected, strict=True))
 
 
 def test_dispatch_of_no_tokens_is_empty_groups() -> None:
