@@ -90,12 +90,13 @@ def measure(tokens: int, expert_parallel: ShardedMoE, tensor_parallel: ShardedMo
             "tp_experts_us": cuda_time_us(lambda: tensor_parallel._experts(x, expert_ids, weights)),
         }
         rows = torch.randn(expert_ids.numel(), x.shape[1], generator=generator, device="cuda").to(torch.bfloat16)
-        order = torch.argsort(expert_ids.flatten(), stable=True)
+        # Each pair's row in expert order (the inverse of the stable sort's order), as the dispatch hands it over.
+        position = torch.argsort(torch.argsort(expert_ids.flatten(), stable=True))
         owned = torch.tensor(rows.shape[0], device="cuda")
-        fused = combine_expert_rows(rows, order, weights, owned)
-        torch.testing.assert_close(fused, combine_expert_rows_eager(rows, order, weights, owned))
-        times["combine_us"] = cuda_time_us(lambda: combine_expert_rows(rows, order, weights, owned))
-        times["combine_eager_us"] = cuda_time_us(lambda: combine_expert_rows_eager(rows, order, weights, owned))
+        fused = combine_expert_rows(rows, position, weights, owned)
+        torch.testing.assert_close(fused, combine_expert_rows_eager(rows, position, weights, owned))
+        times["combine_us"] = cuda_time_us(lambda: combine_expert_rows(rows, position, weights, owned))
+        times["combine_eager_us"] = cuda_time_us(lambda: combine_expert_rows_eager(rows, position, weights, owned))
     row = {
         "tokens": tokens,
         **times,

@@ -16,7 +16,7 @@ from m3stack.engine.attention.backend import AttentionBackend
 from m3stack.engine.model.attention import Attention
 from m3stack.engine.model.config import TextConfig
 from m3stack.engine.model.mlp import GatedMLP
-from m3stack.engine.model.moe import MoE, Router
+from m3stack.engine.model.moe import Finish, MoE, Router
 from m3stack.engine.model.params import empty_parameter
 
 
@@ -67,16 +67,18 @@ class ShardedMoE(MoE):
         dist.all_reduce(out)
         return out
 
-    def _experts(self, x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    def _experts(
+        self, x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor, finish: Finish | None = None
+    ) -> torch.Tensor:
         if self.all_experts:
-            return super()._experts(x, expert_ids, weights)
+            return super()._experts(x, expert_ids, weights, finish)
         # Pairs routed to another rank's experts take the skip id: they sort after this rank's, run no GEMM and
         # add zero.  All on the device: no host sync, so decode steps replay CUDA graphs.  Gathering only this
         # rank's pairs instead (one sync) moves less memory but was 1.2-1.6x slower at every step size measured
         # (bench/moe_routing.py): the combine reads the sorted rows in place either way.
         local = (expert_ids >= self.experts.start) & (expert_ids < self.experts.stop)
         local_ids = torch.where(local, expert_ids - self.experts.start, len(self.experts))
-        return super()._experts(x, local_ids, weights)
+        return super()._experts(x, local_ids, weights, finish)
 
 
 def _moe_text(text: TextConfig, num_experts: int, expert_rows: int, shared_rows: int) -> TextConfig:

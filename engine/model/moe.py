@@ -56,23 +56,18 @@ class MoE(nn.Module):
         self.shared_expert = GatedMLP(
             hidden, text.shared_intermediate_size, alpha=self.alpha, limit=self.limit, dtype=dtype, device=device
         )
-        # Set by ``forward`` for the one ``_experts`` call it makes (see there).
-        self._finish: Finish | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``(routed * routed_scaling_factor).to(x.dtype) + shared``, finished by the combine (one kernel on CUDA
-        instead of three launches after it).  ``_experts`` is the hook subclasses override (``ShardedMoE`` maps
-        the ids to its own experts there), so the finish reaches it on ``self`` rather than as an argument."""
+        instead of three launches after it)."""
         shared = self.shared_expert(x)
         expert_ids, weights = self.router(x)
-        self._finish = Finish(self.routed_scaling_factor, shared)
-        try:
-            return self._experts(x, expert_ids, weights)
-        finally:
-            self._finish = None
+        return self._experts(x, expert_ids, weights, Finish(self.routed_scaling_factor, shared))
 
-    def _experts(self, x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        """Weighted sum of each token's chosen experts, float32 ``[T, H]``; within ``forward``, the layer's output.
+    def _experts(
+        self, x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor, finish: "Finish | None" = None
+    ) -> torch.Tensor:
+        """Weighted sum of each token's chosen experts, float32 ``[T, H]``; with ``finish``, the layer's output.
 
         Token-expert pairs are sorted by expert so each expert runs one GEMM over its tokens; each token then sums
         its rows, weighted, in slot order (no atomics: the same tokens give the same sums in any batch).
@@ -82,7 +77,7 @@ class MoE(nn.Module):
         pairs = dispatch(x, expert_ids, self.gate_up_proj.shape[0])
         sorted_out = self.expert_path(x)(pairs.inputs, pairs.ends)
         owned = pairs.ends[-1]  # pairs this module ran (ids below num_experts): sorted first
-        return combine_expert_rows(sorted_out, pairs.position, weights, owned, self._finish)
+        return combine_expert_rows(sorted_out, pairs.position, weights, owned, finish)
 
     def expert_path(self, x: torch.Tensor) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
         """How the experts run over activations like ``x``: a method of the expert-sorted rows and each expert's
