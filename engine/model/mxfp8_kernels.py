@@ -6,13 +6,14 @@ them in registers (e4m3 -> float32, times the block's power of two, -> the activ
 scaled value is a bf16 number) and runs bf16 tensor-core MMAs with float32 accumulation.  Decode steps are bound
 by the weight bytes they read, which are half of bf16's.
 
-Decode-sized tiles (``widen`` 3) multiply in fp16 instead: e4m3 widens to fp16 in one instruction per pair
-(exact), each 32-input sub-tile's product goes through an fp16 MMA and its block scales multiply the float32
-accumulator (``BLOCK_M x BLOCK_N`` multiplies a sub-tile instead of ``32 x BLOCK_N``).  Widening to bf16 costs
-three conversions an element, which bounded the kernel well under HBM's rate (2.0-2.6 TB/s of FP8 at M3's decode
-shapes against 2.3-3.1 this way, H200, bench/results/mxfp8_variants.json).  bf16 activations enter fp16 times a
-power of two per row that brings the row's largest magnitude (``row_abs_max``, one launch before the kernel) into
-[2 ** 14, 2 ** 15): exact for every value within 2 ** -30 of it, and fp16's range never overflows.
+The grouped GEMM's decode-sized tiles (``widen`` 3) multiply in fp16 instead: e4m3 widens to fp16 in one
+instruction per pair (exact), each 32-input sub-tile's product goes through an fp16 MMA and its block scales
+multiply the float32 accumulator (``BLOCK_M x BLOCK_N`` multiplies a sub-tile instead of ``32 x BLOCK_N``).
+Widening to bf16 costs three conversions an element, which bounded the kernel under HBM's rate (M3's experts at
+64 tokens on the H200: 1,810 us against 1,930 for gate|up, bench/results/mxfp8_moe_runs.json's sweep).  bf16
+activations enter fp16 times a power of two per row that brings the row's largest magnitude (``row_abs_max``, one
+launch before the kernel) into [2 ** 14, 2 ** 15): exact for every value within 2 ** -30 of it, and fp16's range
+never overflows.
 
 One kernel serves both: a dense linear is one group of ``rows`` rows; the grouped GEMM takes the expert-sorted
 rows of ``moe.MoE._grouped`` with each group's end row (``ends``, on the device: no host sync, so decode steps
@@ -37,7 +38,7 @@ math rather than by weight reads.
 reference the tests compare with (on CPU under ``TRITON_INTERPRET=1``, and on the H200 in ``tests/gpu``).
 """
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import triton
@@ -66,10 +67,13 @@ class Tiles:
 
 
 # By rows per group; compiled for sm_90 by Triton 3.6 (the H200's) with no spills and every load pipelined
-# (cp.async): decode 64 registers (6 CTAs per SM), prefill 128 (2 CTAs per SM).  Decode multiplies in fp16 (the
-# module's docstring); medium and prefill steps are bound by math, where the per-sub-tile accumulator update
-# costs more than the widening (1.7x slower at 512 tokens a step).
+# (cp.async): decode 64 registers (6 CTAs per SM), prefill 128 (2 CTAs per SM).  Grouped decode multiplies in fp16
+# (the module's docstring); a dense linear's decode does not gain from it (its split programs are short: widening
+# through float32 ran 0-5% faster at M3's shapes and needs no row maxima launch, bench/results/mxfp8_linears.json's
+# widen0 column); medium and prefill steps are bound by math, where the per-sub-tile accumulator update costs more
+# than the widening (1.7x slower at 512 tokens a step).
 DECODE_TILES = Tiles(block_m=16, block_n=64, block_k=128, num_warps=4, num_stages=4, widen=3)
+DENSE_DECODE_TILES = replace(DECODE_TILES, widen=0)
 MEDIUM_TILES = Tiles(block_m=64, block_n=128, block_k=128, num_warps=4, num_stages=3)
 PREFILL_TILES = Tiles(block_m=128, block_n=128, block_k=64, num_warps=8, num_stages=4)
 # dequantize_groups' tile: 16 KiB of FP8 read and 32 KiB of bf16 written a program.
@@ -294,7 +298,7 @@ def choose_tiles(rows: int, groups: int) -> Tiles:
     """The launch configuration for ``rows`` rows over ``groups`` groups (1: a dense linear), by rows per group."""
     rows_per_group = rows / max(1, min(rows, groups))
     if rows_per_group <= 16:
-        return DECODE_TILES
+        return DECODE_TILES if groups > 1 else DENSE_DECODE_TILES
     if rows_per_group <= 128:
         return MEDIUM_TILES
     return PREFILL_TILES

@@ -30,8 +30,8 @@ from tests.engine.model.hf_oracle import token_errors
 from tests.engine.model.paged_runner import Chunk, PagedRunner, Sequence
 
 HIDDEN, INTER = 6144, 3072
-# (rows, widen): every tile class with its default (decode: 3, fp16 MMAs; the others: 0, through float32), decode's
-# through float32 too, the bf16 widenings (1, 2) once each.
+# (rows, widen): every tile class through float32 (0, the dense default) and decode's with fp16 MMAs (3, the grouped
+# decode default), the bf16 widenings (1, 2) once each.
 DENSE_CASES = [((1, 2 * INTER, HIDDEN), 3), ((16, HIDDEN, INTER), 3), ((300, 1024, HIDDEN), 0),
                ((16, HIDDEN, INTER), 0), ((16, HIDDEN, INTER), 1), ((300, 1024, HIDDEN), 2)]  # fmt: skip
 GROUPED_CASES = [(1, 3), (64, 3), (2048, 0), (64, 0), (64, 1), (2048, 2)]
