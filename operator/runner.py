@@ -16,7 +16,7 @@ import asyncio
 import contextlib
 import logging
 import signal
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import kopf
@@ -79,6 +79,31 @@ def _list_m3deployments(cluster: Cluster, namespaces: Sequence[str]) -> list[dic
         body.setdefault("apiVersion", M3DEPLOYMENT.api_version)
         body.setdefault("kind", M3DEPLOYMENT.kind)
     return bodies
+
+
+# Answers of a list that mean "not served yet": the CRD not registered (404), its storage (re)initializing right
+# after it was created (429), the API server not ready (503).
+NOT_SERVED_YET = (404, 429, 503)
+API_WAIT_INTERVAL_S = 1.0
+
+
+async def wait_until_served(list_fn: Callable[[], object], what: str) -> None:
+    """Returns once ``list_fn`` answers (or fails otherwise: kopf then takes over as before), retrying while the
+    API says it does not serve ``what`` yet.  A helm install creates the CRD and the operator together, and kopf's
+    first watch of a CRD whose storage is still initializing (429) logged an ERROR, and a retry, for a new user to
+    read in their first minute; the operator now says once, at INFO, what it waits for."""
+    reported: set[int] = set()
+    while True:
+        try:
+            await asyncio.to_thread(list_fn)
+            return
+        except ApiError as error:
+            if error.status not in NOT_SERVED_YET:
+                return
+            if error.status not in reported:
+                reported.add(error.status)
+                logger.info("waiting for the API server to serve %s: %s", what, error)
+        await asyncio.sleep(API_WAIT_INTERVAL_S)
 
 
 async def drift_loop(cluster: Cluster, queue: WorkQueue, namespaces: Sequence[str], interval: float) -> None:
@@ -183,6 +208,7 @@ async def lead(options: OperatorOptions, metrics: OperatorMetrics) -> None:
         expected_errors=(ApiError,),
     )
     metrics.watch_queue(lambda: queue.depth)
+    await wait_until_served(lambda: _list_m3deployments(cluster, options.namespaces), "M3Deployments")
     settings = kopf.OperatorSettings()
     configure_settings(settings)
     settings.execution.max_workers = options.workers
