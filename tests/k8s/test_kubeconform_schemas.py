@@ -7,7 +7,7 @@ import json
 from pathlib import Path
 
 import yaml
-from controlplane import ControlPlane
+from controlplane import ControlPlane, namespaced_crd
 from kubeconform_schemas import SCHEMA_LOCATION, write_schemas
 
 
@@ -22,17 +22,7 @@ def gadget_crd(group: str) -> dict:
             }
         },
     }
-    return {
-        "apiVersion": "apiextensions.k8s.io/v1",
-        "kind": "CustomResourceDefinition",
-        "metadata": {"name": f"gadgets.{group}"},
-        "spec": {
-            "group": group,
-            "scope": "Namespaced",
-            "names": {"plural": "gadgets", "singular": "gadget", "kind": "Gadget"},
-            "versions": [{"name": "v1", "served": True, "storage": True, "schema": {"openAPIV3Schema": schema}}],
-        },
-    }
+    return namespaced_crd(group, "gadgets", "Gadget", schema)
 
 
 def deployment(name: str, replicas: object, container_extra: dict) -> dict:

@@ -182,6 +182,28 @@ def binaries_dir(*, build: bool) -> Path:
     return Path(result.stdout.decode().strip().splitlines()[-1])
 
 
+def namespaced_crd(group: str, plural: str, kind: str, schema: dict | None = None) -> dict:
+    """A namespaced CustomResourceDefinition of one served version, v1, for tests that need a CRD of their own."""
+    return {
+        "apiVersion": "apiextensions.k8s.io/v1",
+        "kind": "CustomResourceDefinition",
+        "metadata": {"name": f"{plural}.{group}"},
+        "spec": {
+            "group": group,
+            "scope": "Namespaced",
+            "names": {"plural": plural, "singular": plural.removesuffix("s"), "kind": kind},
+            "versions": [
+                {
+                    "name": "v1",
+                    "served": True,
+                    "storage": True,
+                    "schema": {"openAPIV3Schema": schema or {"type": "object"}},
+                }
+            ],
+        },
+    }
+
+
 # ---------------------------------------------------------------------------------------------
 # Certificates and kubeconfig
 

@@ -13,7 +13,7 @@ import threading
 import time
 
 import pytest
-from controlplane import ControlPlane
+from controlplane import ControlPlane, namespaced_crd
 from kubernetes import client as k8s
 from kubernetes import config as k8s_config
 
@@ -21,22 +21,6 @@ from m3stack.operator.apply import Cluster
 from m3stack.operator.runner import wait_until_served
 
 CRD_DELAY_S = 2.0
-
-
-def _crd(group: str) -> dict:
-    return {
-        "apiVersion": "apiextensions.k8s.io/v1",
-        "kind": "CustomResourceDefinition",
-        "metadata": {"name": f"widgets.{group}"},
-        "spec": {
-            "group": group,
-            "scope": "Namespaced",
-            "names": {"plural": "widgets", "singular": "widget", "kind": "Widget"},
-            "versions": [
-                {"name": "v1", "served": True, "storage": True, "schema": {"openAPIV3Schema": {"type": "object"}}}
-            ],
-        },
-    }
 
 
 def test_the_wait_returns_once_a_crd_created_later_lists(
@@ -52,7 +36,7 @@ def test_the_wait_returns_once_a_crd_created_later_lists(
     def create_later() -> None:
         time.sleep(CRD_DELAY_S)
         created_at.append(time.monotonic())
-        k8s_cluster.kubectl("apply", "-f", "-", input=json.dumps(_crd(group)))
+        k8s_cluster.kubectl("apply", "-f", "-", input=json.dumps(namespaced_crd(group, "widgets", "Widget")))
 
     creator = threading.Thread(target=create_later)
     started = time.monotonic()
