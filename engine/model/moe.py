@@ -20,6 +20,17 @@ from m3stack.engine.model.mlp import GatedMLP, swiglu_oai
 from m3stack.engine.model.params import empty_parameter
 
 
+@dataclass(frozen=True)
+class Finish:
+    """What the layer does after the routed sum: ``(routed * scale).to(shared.dtype) + shared``."""
+
+    scale: float
+    shared: torch.Tensor
+
+    def apply(self, routed: torch.Tensor) -> torch.Tensor:
+        return (routed * self.scale).to(self.shared.dtype) + self.shared
+
+
 class Router(nn.Module):
     def __init__(self, text: TextConfig, *, dtype: torch.dtype, device: torch.device | str) -> None:
         super().__init__()
@@ -65,7 +76,7 @@ class MoE(nn.Module):
         return self._experts(x, expert_ids, weights, Finish(self.routed_scaling_factor, shared))
 
     def _experts(
-        self, x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor, finish: "Finish | None" = None
+        self, x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor, finish: Finish | None = None
     ) -> torch.Tensor:
         """Weighted sum of each token's chosen experts, float32 ``[T, H]``; with ``finish``, the layer's output.
 
@@ -161,17 +172,6 @@ class MoE(nn.Module):
         if self.gate_up_proj_scale_inv is not None:
             return x.is_cuda and x.dtype in mxfp8_kernels.ACTIVATION_DTYPES
         return use_grouped_mm(x)
-
-
-@dataclass(frozen=True)
-class Finish:
-    """What the layer does after the routed sum: ``(routed * scale).to(shared.dtype) + shared``."""
-
-    scale: float
-    shared: torch.Tensor
-
-    def apply(self, routed: torch.Tensor) -> torch.Tensor:
-        return (routed * self.scale).to(self.shared.dtype) + self.shared
 
 
 class Dispatched(NamedTuple):

@@ -20,11 +20,11 @@ rows of ``moe.MoE._grouped`` with each group's end row (``ends``, on the device:
 can be CUDA-graphed).  The grid has ``cdiv(rows, BLOCK_M) + min(groups, rows)`` row blocks, a bound on the
 blocks the groups need whatever the routing (each non-empty group adds at most one partial block); each program
 finds its group from the ends in registers (a cumulative sum over at most a few hundred groups) and leaves at once
-when it has none.  Rows past the last group's end (pairs run
-on another rank) are not written.
+when it has none.  Rows past the last group's end (pairs run on another rank) are not written.
 
 Small grids (decode over few groups, narrow tensor-parallel shards) split K over programs that write float32
-partials, summed in a fixed order afterwards: deterministic, no atomics.
+partials; the last program of each output tile to arrive (an atomic counter a tile) adds them in split order:
+deterministic, and no second launch.
 
 The scales are read block-major: the ``N`` bytes of one 32-input block contiguous (``mxfp8.block_major``, the
 layout the model's parameters are given in memory; checkpoints store ``[N, K / 32]`` row-major), so each
