@@ -15,6 +15,11 @@ activations enter fp16 times a power of two per row that brings the row's larges
 launch before the kernel) into [2 ** 14, 2 ** 15): exact for every value within 2 ** -30 of it, and fp16's range
 never overflows.
 
+Steps of a few rows run ``_mxfp8_gemv_kernel`` instead: one row a program on CUDA cores (FP8 -> float32, float32
+products summed a 32-input block at a time, times the block's scale), each weight row read as 512 contiguous bytes a
+step.  A 16-row MMA tile over one row does 1/16th useful work and reads 128 bytes of a weight row at a time; the
+GEMV streamed M3's experts at 3.2 TB/s on the H200 where those tiles reached 2.0.
+
 One kernel serves both: a dense linear is one group of ``rows`` rows; the grouped GEMM takes the expert-sorted
 rows of ``moe.MoE._grouped`` with each group's end row (``ends``, on the device: no host sync, so decode steps
 can be CUDA-graphed).  The grid has ``cdiv(rows, BLOCK_M) + min(groups, rows)`` row blocks, a bound on the
@@ -65,6 +70,11 @@ class Tiles:
     # accumulator (for fp16 activations too)
     widen: int = 0
 
+    @property
+    def gemv(self) -> bool:
+        """``block_m`` 1: the CUDA-core kernel, one row a program (``_mxfp8_gemv_kernel``); ``widen`` unused."""
+        return self.block_m == 1
+
 
 # By rows per group; compiled for sm_90 by Triton 3.6 (the H200's) with no spills and every load pipelined
 # (cp.async): decode 64 registers (6 CTAs per SM), prefill 128 (2 CTAs per SM).  Grouped decode multiplies in fp16
@@ -76,6 +86,13 @@ DECODE_TILES = Tiles(block_m=16, block_n=64, block_k=128, num_warps=4, num_stage
 DENSE_DECODE_TILES = replace(DECODE_TILES, widen=0)
 MEDIUM_TILES = Tiles(block_m=64, block_n=128, block_k=128, num_warps=4, num_stages=3)
 PREFILL_TILES = Tiles(block_m=128, block_n=128, block_k=64, num_warps=8, num_stages=4)
+# One row a program on CUDA cores, for steps of a few rows; up to where it stops beating the MMA tiles on the H200
+# (scratch sweep at 4eca07e, bench/README.md "MXFP8 GEMV"): each row's program widens the weights again, so its
+# time grows with the rows where the MMA tiles' does not.  M3's experts: 1.6x the MMA decode tiles at 1 token, 1.17x
+# at 8 tokens (64 pairs), even at 16; dense linears: 1.2-1.6x cuBLAS's bf16 at 1 row, 1.0-1.1x at 2, slower at 4.
+GEMV_TILES = Tiles(block_m=1, block_n=16, block_k=512, num_warps=4, num_stages=1)
+GEMV_MAX_ROWS = 2  # dense linears
+GEMV_MAX_PAIRS = 64  # grouped GEMMs: token-expert pairs (8 tokens at top-8)
 # dequantize_groups' tile: 16 KiB of FP8 read and 32 KiB of bf16 written a program.
 DEQUANTIZE_BLOCK_N, DEQUANTIZE_BLOCK_K = 64, 256
 ROW_MAX_BLOCK = 2048  # row_abs_max's loads: 4 KiB of bf16 a step
@@ -200,19 +217,83 @@ def _mxfp8_matmul_kernel(
         acc = acc * row_up[:, None]
     mask = mask_m[:, None] & mask_n[None, :]
     out_ptrs = out_ptr + offs_m[:, None].to(tl.int64) * stride_out + offs_n[None, :]
+    tile_partials = partials_ptr + offs_m[:, None].to(tl.int64) * stride_partial + offs_n[None, :]
+    counter = counters_ptr + pid_m * tl.num_programs(1) + pid_n
+    _store_tile(acc, out_ptrs, tile_partials, mask, counter, pid_k, stride_split, SPLIT)
+
+
+@triton.jit
+def _store_tile(acc, out_ptrs, tile_partials, mask, counter, pid_k, stride_split, SPLIT: tl.constexpr):
+    """Store a program's float32 ``acc`` into ``out``; under split K (``SPLIT`` programs a tile) its partial, and
+    the last program to arrive at the tile's ``counter`` adds them all in split order into ``out`` and sets the
+    counter back to 0."""
     if SPLIT == 1:
-        tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+        tl.store(out_ptrs, acc.to(out_ptrs.dtype.element_ty), mask=mask)
     else:
-        tile_partials = partials_ptr + offs_m[:, None].to(tl.int64) * stride_partial + offs_n[None, :]
         tl.store(tile_partials + pid_k * stride_split, acc, mask=mask)
         tl.debug_barrier()  # every thread's partial stored before the counter says so
-        counter = counters_ptr + pid_m * tl.num_programs(1) + pid_n
         if tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu") == SPLIT - 1:
-            total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-            for split in tl.static_range(SPLIT):  # L2 reads (.cg): the other programs' partials, never L1's copy
+            # L2 reads (.cg): the other programs' partials, never L1's copy
+            total = tl.load(tile_partials, mask=mask, other=0.0, cache_modifier=".cg")
+            for split in tl.static_range(1, SPLIT):
                 total += tl.load(tile_partials + split * stride_split, mask=mask, other=0.0, cache_modifier=".cg")
-            tl.store(out_ptrs, total.to(out_ptr.dtype.element_ty), mask=mask)
+            tl.store(out_ptrs, total.to(out_ptrs.dtype.element_ty), mask=mask)
             tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")  # ready for the next launch
+
+
+@triton.jit
+def _mxfp8_gemv_kernel(
+    x_ptr, w_ptr, s_ptr, out_ptr, partials_ptr, counters_ptr, ends_ptr,
+    n, k, k_per_split,
+    stride_x, stride_wg, stride_wn, stride_sg, stride_sk, stride_split, stride_partial, stride_out,
+    GROUPS: tl.constexpr, GROUPS_P: tl.constexpr, SPLIT: tl.constexpr, EVEN_K: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):  # fmt: skip
+    """Row ``program_id(0)`` times ``BLOCK_N`` weight rows of its group over ``k_per_split`` inputs (axis 2), on
+    CUDA cores: FP8 widened to float32, multiplied by the row in float32, summed a 32-input block at a time and
+    times the block's scale.  Each weight row is read as ``BLOCK_K`` contiguous bytes a step (a warp's loads cover
+    whole 512-byte runs), where the MMA tiles read 128 a row; a 16-row MMA over one row is 1/16th useful."""
+    row = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    pid_k = tl.program_id(2)
+    group = 0
+    if GROUPS > 0:  # the row's group: how many groups end at or before it
+        g = tl.arange(0, GROUPS_P)
+        ends = tl.load(ends_ptr + g, mask=g < GROUPS, other=2**31 - 1)
+        group = tl.sum((ends <= row).to(tl.int32), axis=0)
+        if group >= GROUPS:  # a pair of another rank: no group runs it
+            return
+    blocks: tl.constexpr = BLOCK_K // 32
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_n = offs_n < n
+    offs_b = tl.arange(0, blocks)
+    inner = tl.arange(0, 32)
+    k_start = tl.multiple_of(pid_k * k_per_split, BLOCK_K)
+    k_stop = tl.minimum(k, k_start + k_per_split)
+    # [BLOCK_N, blocks, 32] weights, [BLOCK_N, blocks] scales (block-major: a block's N scales contiguous), and
+    # the row's [blocks, 32] inputs, all at this split's first K tile.
+    w_tile = (w_ptr + group.to(tl.int64) * stride_wg + offs_n[:, None, None].to(tl.int64) * stride_wn
+              + k_start + offs_b[None, :, None] * 32 + inner[None, None, :])  # fmt: skip
+    s_tile = s_ptr + group.to(tl.int64) * stride_sg + (k_start // 32 + offs_b[None, :]) * stride_sk + offs_n[:, None]
+    x_tile = x_ptr + row.to(tl.int64) * stride_x + k_start + offs_b[:, None] * 32 + inner[None, :]
+    acc = tl.zeros((BLOCK_N, blocks), dtype=tl.float32)
+    for kk in range(0, k_per_split, BLOCK_K):
+        if EVEN_K:
+            w = tl.load(w_tile + kk, mask=mask_n[:, None, None], other=0.0)
+            s = tl.load(s_tile + (kk // 32) * stride_sk, mask=mask_n[:, None], other=0)
+            x = tl.load(x_tile + kk)
+        else:  # K is whole blocks (_check_layout): a block is in or out as a whole, the loads stay vectorized
+            live = k_start + kk + offs_b * 32 < k_stop
+            w = tl.load(w_tile + kk, mask=mask_n[:, None, None] & live[None, :, None], other=0.0)
+            s = tl.load(s_tile + (kk // 32) * stride_sk, mask=mask_n[:, None] & live[None, :], other=0)
+            x = tl.load(x_tile + kk, mask=live[:, None], other=0.0)
+        block_sums = tl.sum(w.to(tl.float32) * x.to(tl.float32)[None, :, :], axis=2)
+        acc += block_sums * (s.to(tl.int32) << 23).to(tl.float32, bitcast=True)
+    result = tl.sum(acc, axis=1)
+    out_ptrs = out_ptr + row.to(tl.int64) * stride_out + offs_n
+    tile_partials = partials_ptr + row.to(tl.int64) * stride_partial + offs_n
+    counter = counters_ptr + row * tl.num_programs(1) + pid_n
+    _store_tile(result, out_ptrs, tile_partials, mask_n, counter, pid_k, stride_split, SPLIT)
 
 
 @triton.jit
@@ -295,7 +376,12 @@ def mxfp8_grouped_mm(
 
 
 def choose_tiles(rows: int, groups: int) -> Tiles:
-    """The launch configuration for ``rows`` rows over ``groups`` groups (1: a dense linear), by rows per group."""
+    """The launch configuration for ``rows`` rows over ``groups`` groups (1: a dense linear): the GEMV up to a few
+    rows, else by rows per group.  Chosen for the rows rounded up to a power of two, as a CUDA graph's padded batch
+    rounds them (``plan_launch``)."""
+    bucket = triton.next_power_of_2(rows)
+    if bucket <= (GEMV_MAX_PAIRS if groups > 1 else GEMV_MAX_ROWS):
+        return GEMV_TILES
     rows_per_group = rows / max(1, min(rows, groups))
     if rows_per_group <= 16:
         return DECODE_TILES if groups > 1 else DENSE_DECODE_TILES
@@ -330,9 +416,10 @@ def plan_launch(
     # CUDA graph of its padded batch (1, 2, 4, 8, then multiples of 16 tokens; times a power-of-two top-k) round
     # alike, so they split K alike (eager 5 tokens at M3's top-4 and TP=8 split in 2, their graph of 8 did not).
     bucket = triton.next_power_of_2(rows)
-    busy_row_blocks = (
-        triton.cdiv(bucket, tiles.block_m) if groups is None else min(bucket, groups) + bucket // tiles.block_m
-    )
+    if tiles.gemv or groups is None:
+        busy_row_blocks = triton.cdiv(bucket, tiles.block_m)
+    else:
+        busy_row_blocks = min(bucket, groups) + bucket // tiles.block_m
     split = tiles.split_k or _split_for(device, busy_row_blocks * n_blocks, k, block_k)
     k_per_split = triton.cdiv(triton.cdiv(k, split), block_k) * block_k
     return LaunchPlan(tiles, block_k, k_per_split, triton.cdiv(k, k_per_split))
@@ -356,28 +443,39 @@ def _launch(
     grouped = ends is not None
     plan = plan_launch(rows, n, k, groups if grouped else None, x.device, tiles)
     tiles, block_k, k_per_split, split = plan.tiles, plan.block_k, plan.k_per_split, plan.split
-    # Past the blocks the groups need, programs leave at once, but a grid of cdiv(rows) + groups row blocks made a
-    # one-token step launch 16x the programs it runs, and the ones that run wait behind them.
-    row_blocks = triton.cdiv(rows, tiles.block_m) + (min(groups, rows) if grouped else 0)
     n_blocks = triton.cdiv(n, tiles.block_n)
+    row_blocks = _row_blocks(rows, groups if grouped else None, tiles)
     partials = out if split == 1 else torch.empty((split, rows, n), dtype=torch.float32, device=x.device)
     counters = out if split == 1 else split_counters(x.device, row_blocks * n_blocks)
+    # Rows past the groups' ends stay unwritten in every partial; their sum is as undefined as the rows.
+    common = dict(GROUPS=groups if grouped else 0, GROUPS_P=triton.next_power_of_2(groups) if grouped else 1,
+                  SPLIT=split, EVEN_K=k % k_per_split == 0 and k_per_split % block_k == 0, BLOCK_N=tiles.block_n,
+                  BLOCK_K=block_k, num_warps=tiles.num_warps, num_stages=tiles.num_stages)  # fmt: skip
+    strides = (x.stride(0), weights.stride(0), weights.stride(1), scales.stride(0), scales.stride(2),
+               partials.stride(0) if split > 1 else 0, partials.stride(-2), out.stride(0))  # fmt: skip
+    if tiles.gemv:
+        _mxfp8_gemv_kernel[(row_blocks, n_blocks, split)](
+            x, weights, scales, out, partials, counters, ends if grouped else x, n, k, k_per_split, *strides, **common
+        )
+        return out
     # fp16 MMAs over bf16 rows: each row's largest magnitude sets its power-of-two shift into fp16's range.
     row_scaled = tiles.widen == 3 and x.dtype == torch.bfloat16
     row_max = row_abs_max(x) if row_scaled else x
-    # Rows past the groups' ends stay unwritten in every partial; their sum is as undefined as the rows.
     _mxfp8_matmul_kernel[(row_blocks, n_blocks, split)](
-        x, weights, scales, out, partials, counters, ends if grouped else x, row_max,
-        rows, n, k, k_per_split,
-        x.stride(0), weights.stride(0), weights.stride(1), scales.stride(0), scales.stride(2),
-        partials.stride(0) if split > 1 else 0, partials.stride(-2), out.stride(0),
-        GROUPS=groups if grouped else 0, GROUPS_P=triton.next_power_of_2(groups) if grouped else 1,
-        SPLIT=split, EVEN_K=k % k_per_split == 0 and k_per_split % block_k == 0,
-        BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_K=block_k,
-        WIDEN=tiles.widen if x.dtype == torch.bfloat16 or tiles.widen == 3 else 0, ROW_SCALED=row_scaled,
-        num_warps=tiles.num_warps, num_stages=tiles.num_stages,
+        x, weights, scales, out, partials, counters, ends if grouped else x, row_max, rows, n, k, k_per_split,
+        *strides, BLOCK_M=tiles.block_m, ROW_SCALED=row_scaled,
+        WIDEN=tiles.widen if x.dtype == torch.bfloat16 or tiles.widen == 3 else 0, **common,
     )  # fmt: skip
     return out
+
+
+def _row_blocks(rows: int, groups: int | None, tiles: Tiles) -> int:
+    """The grid's row blocks.  The GEMV has one program a row.  Grouped MMA tiles: past the blocks the groups need,
+    programs leave at once, but a grid of cdiv(rows) + groups row blocks made a one-token step launch 16x the
+    programs it runs, and the ones that run wait behind them; each non-empty group adds at most one partial block."""
+    if tiles.gemv:
+        return rows
+    return triton.cdiv(rows, tiles.block_m) + (min(groups, rows) if groups is not None else 0)
 
 
 _COUNTERS: dict[torch.device, torch.Tensor] = {}

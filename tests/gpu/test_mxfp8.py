@@ -21,6 +21,13 @@ from m3stack.engine.model import mxfp8, mxfp8_kernels
 from m3stack.engine.model.config import parse_config
 from m3stack.engine.model.loader import load_model
 from m3stack.engine.model.moe import MoE, grouped_mm
+from m3stack.engine.model.mxfp8_kernels import (
+    DECODE_TILES,
+    DENSE_DECODE_TILES,
+    GEMV_TILES,
+    PREFILL_TILES,
+    Tiles,
+)
 from m3stack.engine.model.mxfp8_writer import write_dequantized_copy, write_mxfp8_copy
 from m3stack.engine.model.tiny import ensure_tiny_checkpoint
 from m3stack.engine.runtime import offline
@@ -30,11 +37,17 @@ from tests.engine.model.hf_oracle import token_errors
 from tests.engine.model.paged_runner import Chunk, PagedRunner, Sequence
 
 HIDDEN, INTER = 6144, 3072
-# (rows, widen): every tile class through float32 (0, the dense default) and decode's with fp16 MMAs (3, the grouped
-# decode default), the bf16 widenings (1, 2) once each.
-DENSE_CASES = [((1, 2 * INTER, HIDDEN), 3), ((16, HIDDEN, INTER), 3), ((300, 1024, HIDDEN), 0),
-               ((16, HIDDEN, INTER), 0), ((16, HIDDEN, INTER), 1), ((300, 1024, HIDDEN), 2)]  # fmt: skip
-GROUPED_CASES = [(1, 3), (64, 3), (2048, 0), (64, 0), (64, 1), (2048, 2)]
+# (shape or tokens, tiles): the GEMV (decode's default up to a few rows), every MMA tile class through float32 (the
+# dense default) and decode's fp16 MMAs (the grouped decode default past the GEMV), the bf16 widenings once each.
+DENSE_CASES = [((1, 2 * INTER, HIDDEN), GEMV_TILES), ((2, HIDDEN, INTER), GEMV_TILES),
+               ((1, 2 * INTER, HIDDEN), DECODE_TILES), ((16, HIDDEN, INTER), DECODE_TILES),
+               ((300, 1024, HIDDEN), PREFILL_TILES), ((16, HIDDEN, INTER), DENSE_DECODE_TILES),
+               ((16, HIDDEN, INTER), dataclasses.replace(DECODE_TILES, widen=1)),
+               ((300, 1024, HIDDEN), dataclasses.replace(PREFILL_TILES, widen=2))]  # fmt: skip
+GROUPED_CASES = [(1, GEMV_TILES), (4, GEMV_TILES), (1, DECODE_TILES), (64, DECODE_TILES),
+                 (2048, PREFILL_TILES), (64, DENSE_DECODE_TILES),
+                 (64, dataclasses.replace(DECODE_TILES, widen=1)),
+                 (2048, dataclasses.replace(PREFILL_TILES, widen=2))]  # fmt: skip
 
 
 def _error(actual: torch.Tensor, expected: torch.Tensor) -> float:
@@ -51,27 +64,25 @@ def _weights(*shape: int, seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.
     return values, mxfp8.block_major(scales), mxfp8.dequantize(values, scales, torch.bfloat16)
 
 
-@pytest.mark.parametrize(("shape", "widen"), DENSE_CASES)
-def test_dense_kernel_is_as_accurate_as_cublas(shape: tuple[int, int, int], widen: int) -> None:
+@pytest.mark.parametrize(("shape", "tiles"), DENSE_CASES)
+def test_dense_kernel_is_as_accurate_as_cublas(shape: tuple[int, int, int], tiles: Tiles) -> None:
     rows, n, k = shape
     values, scales, dense = _weights(n, k, seed=rows)
     x = torch.randn(rows, k, device="cuda").to(torch.bfloat16)
     reference = x.float() @ dense.float().T
-    tiles = dataclasses.replace(mxfp8_kernels.choose_tiles(rows, 1), widen=widen)
     ours = mxfp8_kernels.mxfp8_linear(x, values, scales, tiles)
     assert ours.dtype == torch.bfloat16 and not ours.isnan().any()
     assert _error(ours, reference) <= 1.5 * _error(torch.nn.functional.linear(x, dense), reference) + 1e-4
 
 
-@pytest.mark.parametrize(("tokens", "widen"), GROUPED_CASES)
-def test_grouped_kernel_is_as_accurate_as_torch_grouped_mm(tokens: int, widen: int) -> None:
+@pytest.mark.parametrize(("tokens", "tiles"), GROUPED_CASES)
+def test_grouped_kernel_is_as_accurate_as_torch_grouped_mm(tokens: int, tiles: Tiles) -> None:
     experts, top_k = 32, 8  # 32 of M3's 128 experts: the shapes and the routing density, a quarter of the bytes
     values, scales, dense = _weights(experts, 2 * INTER, HIDDEN, seed=tokens)
     generator = torch.Generator(device="cuda").manual_seed(tokens + 1)
     ids = torch.randint(0, experts + 1, (tokens * top_k,), generator=generator, device="cuda").sort().values
     ends = torch.bincount(ids, minlength=experts + 1)[:experts].cumsum(0).to(torch.int32)  # id 32: skipped rows
     x = torch.randn(ids.numel(), HIDDEN, generator=generator, device="cuda").to(torch.bfloat16)
-    tiles = dataclasses.replace(mxfp8_kernels.choose_tiles(x.shape[0], experts), widen=widen)
     ours = mxfp8_kernels.mxfp8_grouped_mm(x, values, scales, ends, tiles)
     peer = grouped_mm(x, dense.transpose(1, 2), ends)
     owned = int(ends[-1])
@@ -80,19 +91,20 @@ def test_grouped_kernel_is_as_accurate_as_torch_grouped_mm(tokens: int, widen: i
     assert _error(ours[:owned], reference) <= 1.5 * _error(peer[:owned], reference) + 1e-4
 
 
-def test_split_k_sums_in_the_last_program_bitwise_alike_eager_and_graph_replayed() -> None:
-    """M3's o projection at 1 row (K split in 3, each tile's last program adding the partials), 200 eager launches
-    and 200 replays of a captured one: every output bitwise the first (a partial read before its writer finished
-    would differ), the counters all back at 0."""
+@pytest.mark.parametrize("tiles", [GEMV_TILES, DENSE_DECODE_TILES])
+def test_split_k_sums_in_the_last_program_bitwise_alike_eager_and_graph_replayed(tiles: Tiles) -> None:
+    """M3's o projection at 1 row (K split, each tile's last program adding the partials), 200 eager launches and
+    200 replays of a captured one: every output bitwise the first (a partial read before its writer finished would
+    differ), the counters all back at 0."""
     values, scales, dense = _weights(HIDDEN, 8192, seed=21)
     x = torch.randn(1, 8192, device="cuda").to(torch.bfloat16)
-    assert mxfp8_kernels.plan_launch(1, HIDDEN, 8192, None, x.device).split > 1
-    first = mxfp8_kernels.mxfp8_linear(x, values, scales)
+    assert mxfp8_kernels.plan_launch(1, HIDDEN, 8192, None, x.device, tiles).split > 1
+    first = mxfp8_kernels.mxfp8_linear(x, values, scales, tiles)
     assert _error(first, x.float() @ dense.float().T) < 1e-2
-    eager = [mxfp8_kernels.mxfp8_linear(x, values, scales) for _ in range(200)]
+    eager = [mxfp8_kernels.mxfp8_linear(x, values, scales, tiles) for _ in range(200)]
     graph, stream = torch.cuda.CUDAGraph(), torch.cuda.Stream()
     with torch.cuda.graph(graph, stream=stream):
-        captured = mxfp8_kernels.mxfp8_linear(x, values, scales)
+        captured = mxfp8_kernels.mxfp8_linear(x, values, scales, tiles)
     replayed = []
     for _ in range(200):
         graph.replay()

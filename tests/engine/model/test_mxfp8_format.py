@@ -124,6 +124,9 @@ def test_dense_kernel_matches_the_dequantized_reference(rows: int, n: int, k: in
     assert relative_error(out, _reference(x, values, scales)) < 2e-3
 
 
+GEMV = Tiles(1, 16, 64, 4, 1)
+
+
 def test_grouped_kernel_runs_each_group_on_its_rows_and_skips_empty_groups() -> None:
     groups, n, k = 5, 48, 96
     values, scales = mxfp8.quantize(random(groups, n, k, seed=3, scale=0.1))
@@ -131,7 +134,8 @@ def test_grouped_kernel_runs_each_group_on_its_rows_and_skips_empty_groups() -> 
     skipped = 4  # rows past the last group's end: pairs of another rank, left unwritten
     x = random(sum(counts) + skipped, k, seed=4).half()
     ends = torch.tensor(counts).cumsum(0).to(torch.int32)
-    for tiles in (Tiles(16, 32, 64, 4, 1), Tiles(16, 32, 32, 4, 1, split_k=2)):
+    # MMA tiles and the GEMV (one row a program), each with and without a K split
+    for tiles in (Tiles(16, 32, 64, 4, 1), Tiles(16, 32, 32, 4, 1, split_k=2), GEMV, Tiles(1, 32, 32, 4, 1, split_k=2)):
         out = mxfp8_kernels.mxfp8_grouped_mm(x, values, mxfp8.block_major(scales), ends, tiles)
         start = 0
         for group, count in enumerate(counts):
@@ -172,6 +176,38 @@ def test_fp16_mma_tiles_run_groups_with_split_k_and_fewer_rows_than_groups() -> 
         out = mxfp8_kernels.mxfp8_grouped_mm(x, values, mxfp8.block_major(scales), ends, tiles)
         for row, group in ((0, 6), (1, 7)):
             assert relative_error(out[row], _reference(x[row : row + 1], values[group], scales[group])[0]) < 4e-3
+
+
+@pytest.mark.parametrize(
+    ("rows", "n", "k", "tiles"),
+    [
+        (1, 96, 128, GEMV),  # K over two steps
+        (2, 40, 96, GEMV),  # N and K past a step's edge (K not a multiple of the step)
+        (3, 64, 256, dataclasses.replace(GEMV, split_k=3)),  # split K, uneven split
+        (1, 48, 1024, Tiles(1, 32, 512, 4, 1)),  # the H200's 512-input step
+    ],
+)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_gemv_matches_the_dequantized_reference(rows: int, n: int, k: int, tiles: Tiles, dtype: torch.dtype) -> None:
+    """The CUDA-core kernel (one row a program, float32 math) within its output dtype's rounding of the float64
+    product, rows of very different magnitudes included (no fp16 range to fit: bf16 rows of 2 ** 40 stay finite)."""
+    values, scales = mxfp8.quantize(random(n, k, seed=rows + k, scale=0.05))
+    # bf16 rows far outside fp16's range; fp16 rows whose outputs stay clear of fp16's subnormals
+    magnitudes = [2.0**40, 2.0**-40, 1.0] if dtype == torch.bfloat16 else [300.0, 2.0**-6, 1.0]
+    magnitude = torch.tensor(magnitudes)[:rows, None]
+    x = (random(rows, k, seed=rows + 1) * magnitude).to(dtype)
+    out = mxfp8_kernels.mxfp8_linear(x, values, mxfp8.block_major(scales), tiles)
+    reference = _reference(x, values, scales)
+    assert out.shape == (rows, n) and out.dtype == dtype
+    for row in range(rows):
+        assert relative_error(out[row], reference[row]) < (5e-3 if dtype == torch.bfloat16 else 1e-3), row
+
+
+def test_steps_of_a_few_rows_take_the_gemv_and_larger_ones_the_mma_tiles() -> None:
+    assert mxfp8_kernels.choose_tiles(1, 1).gemv and mxfp8_kernels.choose_tiles(2, 1).gemv
+    assert not mxfp8_kernels.choose_tiles(3, 1).gemv  # rounds up to 4 rows, as its padded graph batch
+    assert mxfp8_kernels.choose_tiles(8, 128).gemv and mxfp8_kernels.choose_tiles(64, 128).gemv
+    assert mxfp8_kernels.choose_tiles(65, 128) == mxfp8_kernels.DECODE_TILES
 
 
 def test_split_k_launches_leave_their_counters_at_zero_for_the_next() -> None:
