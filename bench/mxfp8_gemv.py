@@ -1,0 +1,161 @@
+"""The MXFP8 kernels' launch configurations at decode sizes on one GPU: the CUDA-core GEMV (one row a program;
+tile, warps) against the MMA decode tiles and against bf16 (cuBLAS, torch's grouped GEMM) on the same dequantized
+weights, in the same run.  What ``mxfp8_kernels.GEMV_TILES`` and the row limits of ``choose_tiles`` come from.
+
+* Grouped: M3's experts (128 of 6144 x 6144 gate|up, 6144 x 3072 down), each token routed to 8 distinct experts,
+  at 1-64 tokens a step.
+* Dense: M3's decode linears (``bench.mxfp8_linears.LINEARS``) at 1-64 rows, beside each MMA tile class.
+
+Each case is CUDA-graphed (decode runs graphed), CUDA-event medians with the L2 flushed (``triton.testing.do_bench``),
+and each output checked against the bf16 one (``*_err``, relative).  ``best`` names the fastest configuration.
+
+    python -m bench.mxfp8_gemv [--out DIR] [--budget-s S]
+"""
+
+import argparse
+import logging
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import torch
+from tqdm import tqdm
+
+from bench.common import cuda_time_us, graphed, markdown_table, write_results
+from bench.mxfp8_linears import LINEARS
+from m3stack.engine.model import mxfp8, mxfp8_kernels
+from m3stack.engine.model.moe import grouped_mm
+from m3stack.engine.model.mxfp8_kernels import Tiles
+
+logger = logging.getLogger("bench.mxfp8_gemv")
+
+TIMING = {"warmup_ms": 5, "rep_ms": 25}
+EXPERTS, TOP_K, HIDDEN, INTER = 128, 8, 6144, 3072
+GROUPED_TOKENS = [1, 2, 4, 8, 16, 32, 64]
+DENSE_ROWS = [1, 2, 4, 16, 64]
+GEMVS = [
+    Tiles(1, 16, 512, 4, 1),
+    Tiles(1, 16, 512, 2, 1),
+    Tiles(1, 16, 256, 4, 1),
+    Tiles(1, 8, 512, 4, 1),
+    Tiles(1, 32, 512, 4, 1),
+    Tiles(1, 16, 1024, 4, 1),
+]
+GEMV_UP_TO = 16  # tokens or rows: the GEMV is timed up to here (each row's program widens the weights again)
+# MMA tiles beside the GEMV: the grouped decode default; for dense linears each MMA class and fp16 MMAs
+GROUPED_MMAS = [mxfp8_kernels.DECODE_TILES]
+DENSE_MMAS = [mxfp8_kernels.DENSE_DECODE_TILES, mxfp8_kernels.DECODE_TILES, mxfp8_kernels.MEDIUM_TILES,
+              replace(mxfp8_kernels.MEDIUM_TILES, widen=3)]  # fmt: skip
+COLUMNS = ["case", "bf16_us", "default", "default_us", "best", "best_us", "bf16_over_default", "bf16_over_best"]
+
+
+def short(tiles: Tiles) -> str:
+    kind = "gemv" if tiles.gemv else f"mma{tiles.widen}"
+    return f"{kind} {tiles.block_m}x{tiles.block_n}x{tiles.block_k} w{tiles.num_warps}"
+
+
+def random_mxfp8(*shape: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Random MXFP8 weights: values, row-major scales, and the bf16 dequantization."""
+    values, scales = mxfp8.quantize(torch.randn(shape, device="cuda") / shape[-1] ** 0.5)
+    return values, scales, mxfp8.dequantize(values, scales, torch.bfloat16)
+
+
+def experts(n: int, k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``EXPERTS`` stacked random MXFP8 matrices (one at a time: float32 temporaries), block-major scales."""
+    parts = [random_mxfp8(n, k) for _ in range(EXPERTS)]
+    values, scales, dense = (torch.stack(column) for column in zip(*parts, strict=True))
+    return values, mxfp8.block_major(scales), dense
+
+
+def case_row(
+    case: str,
+    bf16: Callable[[], torch.Tensor],
+    ours: Callable[[Tiles], torch.Tensor],
+    default: Tiles,
+    configurations: list[Tiles],
+    budget_end: float,
+) -> dict[str, Any]:
+    """One case: bf16, the default plan and the other ``configurations``, timed and checked."""
+    reference = bf16().float()
+    row: dict[str, Any] = {"case": case, "bf16_us": cuda_time_us(graphed(bf16), **TIMING), "default": short(default)}
+    for tiles in dict.fromkeys([default, *configurations]):
+        if time.monotonic() > budget_end:
+            logger.warning("%s: configurations left out by --budget-s", case)
+            break
+        out = ours(tiles).float()
+        row[f"{short(tiles)}_us"] = cuda_time_us(graphed(lambda: ours(tiles)), **TIMING)  # noqa: B023
+        row[f"{short(tiles)}_err"] = float((out - reference).norm() / reference.norm())
+    times = {key[:-3]: us for key, us in row.items() if key.endswith("_us") and key != "bf16_us"}
+    row["default_us"] = times.get(short(default))
+    row["best"] = min(times, key=times.__getitem__)
+    row["best_us"] = times[row["best"]]
+    row["bf16_over_default"] = row["bf16_us"] / row["default_us"] if row["default_us"] else None
+    row["bf16_over_best"] = row["bf16_us"] / row["best_us"]
+    logger.info("%s", row)
+    return row
+
+
+def grouped_rows(budget_end: float) -> list[dict[str, Any]]:
+    rows = []
+    mats = {"gate|up": experts(2 * INTER, HIDDEN), "down": experts(HIDDEN, INTER)}
+    cases = [(tokens, name) for tokens in GROUPED_TOKENS for name in mats]
+    for tokens, name in tqdm(cases, desc="grouped"):
+        values, scales, dense = mats[name]
+        generator = torch.Generator(device="cuda").manual_seed(tokens)
+        chosen = torch.rand(tokens, EXPERTS, generator=generator, device="cuda").topk(TOP_K).indices
+        ids = chosen.flatten().sort().values
+        ends = torch.bincount(ids, minlength=EXPERTS).cumsum(0).to(torch.int32)
+        x = torch.randn(ids.numel(), values.shape[2], generator=generator, device="cuda").to(torch.bfloat16)
+        rows.append(
+            case_row(
+                f"experts {name} {tokens} tokens",
+                lambda: grouped_mm(x, dense.transpose(1, 2), ends),  # noqa: B023
+                lambda tiles: mxfp8_kernels.mxfp8_grouped_mm(x, values, scales, ends, tiles),  # noqa: B023
+                mxfp8_kernels.choose_tiles(x.shape[0], EXPERTS),
+                GROUPED_MMAS + (GEMVS if tokens <= GEMV_UP_TO else []),
+                budget_end,
+            )
+        )
+    return rows
+
+
+def dense_rows(budget_end: float) -> list[dict[str, Any]]:
+    rows = []
+    for name, (n, k) in tqdm(LINEARS.items(), desc="dense"):
+        values, row_major, dense = random_mxfp8(n, k)
+        scales = mxfp8.block_major(row_major)
+        for count in DENSE_ROWS:
+            x = torch.randn(count, k, device="cuda").to(torch.bfloat16)
+            rows.append(
+                case_row(
+                    f"{name} {count} rows",
+                    lambda: torch.nn.functional.linear(x, dense),  # noqa: B023
+                    lambda tiles: mxfp8_kernels.mxfp8_linear(x, values, scales, tiles),  # noqa: B023
+                    mxfp8_kernels.choose_tiles(count, 1),
+                    DENSE_MMAS + (GEMVS if count <= GEMV_UP_TO else []),
+                    budget_end,
+                )
+            )
+    return rows
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, default=None, help="folder for mxfp8_gemv.json (default bench/results)")
+    parser.add_argument("--budget-s", type=float, default=300.0, help="time no new configuration past this")
+    args = parser.parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    budget_end = time.monotonic() + args.budget_s
+    rows = grouped_rows(budget_end)
+    torch.cuda.empty_cache()
+    rows += dense_rows(budget_end)
+    write_results("mxfp8_gemv", rows, {"configurations": [short(tiles) for tiles in GEMVS]}, args.out)
+    sys.stdout.write(markdown_table(rows, COLUMNS) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
