@@ -49,12 +49,16 @@ GEMV_UP_TO = 16  # tokens or rows: the GEMV is timed up to here (each row's prog
 GROUPED_MMAS = [mxfp8_kernels.DECODE_TILES]
 DENSE_MMAS = [mxfp8_kernels.DENSE_DECODE_TILES, mxfp8_kernels.DECODE_TILES, mxfp8_kernels.MEDIUM_TILES,
               replace(mxfp8_kernels.MEDIUM_TILES, widen=3)]  # fmt: skip
+# From 16 rows on, the MMA tiles at fixed K splits too: each split writes and reads back rows x N float32 partials
+DENSE_SPLITS = [replace(tiles, split_k=split) for split in (1, 2, 3, 4)
+                for tiles in (mxfp8_kernels.DENSE_DECODE_TILES, mxfp8_kernels.MEDIUM_TILES)]  # fmt: skip
 COLUMNS = ["case", "bf16_us", "default", "default_us", "best", "best_us", "bf16_over_default", "bf16_over_best"]
 
 
 def short(tiles: Tiles) -> str:
     kind = "gemv" if tiles.gemv else f"mma{tiles.widen}"
-    return f"{kind} {tiles.block_m}x{tiles.block_n}x{tiles.block_k} w{tiles.num_warps}"
+    split = f" split{tiles.split_k}" if tiles.split_k else ""
+    return f"{kind} {tiles.block_m}x{tiles.block_n}x{tiles.block_k} w{tiles.num_warps}{split}"
 
 
 def random_mxfp8(*shape: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -135,7 +139,7 @@ def dense_rows(budget_end: float) -> list[dict[str, Any]]:
                     lambda: torch.nn.functional.linear(x, dense),  # noqa: B023
                     lambda tiles: mxfp8_kernels.mxfp8_linear(x, values, scales, tiles),  # noqa: B023
                     mxfp8_kernels.choose_tiles(count, 1),
-                    DENSE_MMAS + (GEMVS if count <= GEMV_UP_TO else []),
+                    DENSE_MMAS + (GEMVS if count <= GEMV_UP_TO else []) + (DENSE_SPLITS if count >= 16 else []),
                     budget_end,
                 )
             )
@@ -146,12 +150,14 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=None, help="folder for mxfp8_gemv.json (default bench/results)")
     parser.add_argument("--budget-s", type=float, default=300.0, help="time no new configuration past this")
+    parser.add_argument("--parts", default="experts,dense", help="which cases: experts, dense or both")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     budget_end = time.monotonic() + args.budget_s
-    rows = grouped_rows(budget_end)
+    parts = set(args.parts.split(","))
+    rows = grouped_rows(budget_end) if "experts" in parts else []
     torch.cuda.empty_cache()
-    rows += dense_rows(budget_end)
+    rows += dense_rows(budget_end) if "dense" in parts else []
     write_results("mxfp8_gemv", rows, {"configurations": [short(tiles) for tiles in GEMVS]}, args.out)
     sys.stdout.write(markdown_table(rows, COLUMNS) + "\n")
     return 0
