@@ -93,11 +93,12 @@ def case_row(
         row[f"{short(tiles)}_us"] = cuda_time_us(graphed(lambda: ours(tiles)), **TIMING)  # noqa: B023
         row[f"{short(tiles)}_err"] = float((out - reference).norm() / reference.norm())
     times = {key[:-3]: us for key, us in row.items() if key.endswith("_us") and key != "bf16_us"}
-    row["default_us"] = times.get(short(default))
-    row["best"] = min(times, key=times.__getitem__)
-    row["best_us"] = times[row["best"]]
-    row["bf16_over_default"] = row["bf16_us"] / row["default_us"] if row["default_us"] else None
-    row["bf16_over_best"] = row["bf16_us"] / row["best_us"]
+    if times:  # none where the budget ran out before the case's first configuration
+        row["default_us"] = times.get(short(default))
+        row["best"] = min(times, key=times.__getitem__)
+        row["best_us"] = times[row["best"]]
+        row["bf16_over_default"] = row["bf16_us"] / row["default_us"] if row["default_us"] else None
+        row["bf16_over_best"] = row["bf16_us"] / row["best_us"]
     logger.info("%s", row)
     return row
 
