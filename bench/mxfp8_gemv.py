@@ -44,7 +44,8 @@ GEMVS = [
     Tiles(1, 32, 512, 4, 1),
     Tiles(1, 16, 1024, 4, 1),
 ]
-GEMV_UP_TO = 16  # tokens or rows: the GEMV is timed up to here (each row's program widens the weights again)
+# The GEMV is timed up to here (each row's program widens the weights again): tokens (experts), rows (dense)
+GEMV_UP_TO_TOKENS, GEMV_UP_TO_ROWS = 16, 4
 # MMA tiles beside the GEMV: the grouped decode default; for dense linears each MMA class and fp16 MMAs
 GROUPED_MMAS = [mxfp8_kernels.DECODE_TILES]
 DENSE_MMAS = [mxfp8_kernels.DENSE_DECODE_TILES, mxfp8_kernels.DECODE_TILES, mxfp8_kernels.MEDIUM_TILES,
@@ -120,19 +121,19 @@ def grouped_rows(budget_end: float) -> list[dict[str, Any]]:
                 lambda: grouped_mm(x, dense.transpose(1, 2), ends),  # noqa: B023
                 lambda tiles: mxfp8_kernels.mxfp8_grouped_mm(x, values, scales, ends, tiles),  # noqa: B023
                 mxfp8_kernels.choose_tiles(x.shape[0], EXPERTS),
-                GROUPED_MMAS + (GEMVS if tokens <= GEMV_UP_TO else []),
+                GROUPED_MMAS + (GEMVS if tokens <= GEMV_UP_TO_TOKENS else []),
                 budget_end,
             )
         )
     return rows
 
 
-def dense_rows(budget_end: float) -> list[dict[str, Any]]:
+def dense_rows(counts: list[int], budget_end: float) -> list[dict[str, Any]]:
     rows = []
     for name, (n, k) in tqdm(LINEARS.items(), desc="dense"):
         values, row_major, dense = random_mxfp8(n, k)
         scales = mxfp8.block_major(row_major)
-        for count in DENSE_ROWS:
+        for count in counts:
             x = torch.randn(count, k, device="cuda").to(torch.bfloat16)
             rows.append(
                 case_row(
@@ -140,7 +141,7 @@ def dense_rows(budget_end: float) -> list[dict[str, Any]]:
                     lambda: torch.nn.functional.linear(x, dense),  # noqa: B023
                     lambda tiles: mxfp8_kernels.mxfp8_linear(x, values, scales, tiles),  # noqa: B023
                     mxfp8_kernels.choose_tiles(count, 1),
-                    DENSE_MMAS + (GEMVS if count <= GEMV_UP_TO else []) + (DENSE_SPLITS if count >= 16 else []),
+                    DENSE_MMAS + (GEMVS if count <= GEMV_UP_TO_ROWS else []) + (DENSE_SPLITS if count >= 16 else []),
                     budget_end,
                 )
             )
@@ -152,13 +153,15 @@ def main() -> int:
     parser.add_argument("--out", type=Path, default=None, help="folder for mxfp8_gemv.json (default bench/results)")
     parser.add_argument("--budget-s", type=float, default=300.0, help="time no new configuration past this")
     parser.add_argument("--parts", default="experts,dense", help="which cases: experts, dense or both")
+    parser.add_argument("--dense-rows", default=",".join(map(str, DENSE_ROWS)), help="rows of the dense cases")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     budget_end = time.monotonic() + args.budget_s
     parts = set(args.parts.split(","))
     rows = grouped_rows(budget_end) if "experts" in parts else []
     torch.cuda.empty_cache()
-    rows += dense_rows(budget_end) if "dense" in parts else []
+    counts = [int(count) for count in args.dense_rows.split(",")]
+    rows += dense_rows(counts, budget_end) if "dense" in parts else []
     write_results("mxfp8_gemv", rows, {"configurations": [short(tiles) for tiles in GEMVS]}, args.out)
     sys.stdout.write(markdown_table(rows, COLUMNS) + "\n")
     return 0
