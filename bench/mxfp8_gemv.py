@@ -3,7 +3,7 @@ tile, warps) against the MMA decode tiles and against bf16 (cuBLAS, torch's grou
 weights, in the same run.  What ``mxfp8_kernels.GEMV_TILES`` and the row limits of ``choose_tiles`` come from.
 
 * Grouped: M3's experts (128 of 6144 x 6144 gate|up, 6144 x 3072 down), each token routed to 8 distinct experts,
-  at 1-64 tokens a step.
+  at 1-64 tokens a step (``--experts``, ``--top-k``: other counts of the same experts).
 * Dense: M3's decode linears (``bench.mxfp8_linears.LINEARS``) at 1-64 rows, beside each MMA tile class.
 
 Each case is CUDA-graphed (decode runs graphed), CUDA-event medians with the L2 flushed (``triton.testing.do_bench``),
@@ -33,7 +33,8 @@ from m3stack.engine.model.mxfp8_kernels import Tiles
 logger = logging.getLogger("bench.mxfp8_gemv")
 
 TIMING = {"warmup_ms": 5, "rep_ms": 25}
-EXPERTS, TOP_K, HIDDEN, INTER = 128, 8, 6144, 3072
+HIDDEN, INTER = 6144, 3072
+EXPERTS, TOP_K = 128, 8  # M3's; --experts and --top-k for other MoE shapes (the serving benchmark's 16 and 4)
 GROUPED_TOKENS = [1, 2, 4, 8, 16, 32, 64]
 DENSE_ROWS = [1, 2, 4, 16, 64]
 GEMVS = [
@@ -68,9 +69,9 @@ def random_mxfp8(*shape: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]
     return values, scales, mxfp8.dequantize(values, scales, torch.bfloat16)
 
 
-def experts(n: int, k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``EXPERTS`` stacked random MXFP8 matrices (one at a time: float32 temporaries), block-major scales."""
-    parts = [random_mxfp8(n, k) for _ in range(EXPERTS)]
+def stacked(count: int, n: int, k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``count`` stacked random MXFP8 matrices (one at a time: float32 temporaries), block-major scales."""
+    parts = [random_mxfp8(n, k) for _ in range(count)]
     values, scales, dense = (torch.stack(column) for column in zip(*parts, strict=True))
     return values, mxfp8.block_major(scales), dense
 
@@ -104,23 +105,23 @@ def case_row(
     return row
 
 
-def grouped_rows(budget_end: float) -> list[dict[str, Any]]:
+def grouped_rows(experts: int, top_k: int, token_counts: list[int], budget_end: float) -> list[dict[str, Any]]:
     rows = []
-    mats = {"gate|up": experts(2 * INTER, HIDDEN), "down": experts(HIDDEN, INTER)}
-    cases = [(tokens, name) for tokens in GROUPED_TOKENS for name in mats]
+    mats = {"gate|up": stacked(experts, 2 * INTER, HIDDEN), "down": stacked(experts, HIDDEN, INTER)}
+    cases = [(tokens, name) for tokens in token_counts for name in mats]
     for tokens, name in tqdm(cases, desc="grouped"):
         values, scales, dense = mats[name]
         generator = torch.Generator(device="cuda").manual_seed(tokens)
-        chosen = torch.rand(tokens, EXPERTS, generator=generator, device="cuda").topk(TOP_K).indices
+        chosen = torch.rand(tokens, experts, generator=generator, device="cuda").topk(top_k).indices
         ids = chosen.flatten().sort().values
-        ends = torch.bincount(ids, minlength=EXPERTS).cumsum(0).to(torch.int32)
+        ends = torch.bincount(ids, minlength=experts).cumsum(0).to(torch.int32)
         x = torch.randn(ids.numel(), values.shape[2], generator=generator, device="cuda").to(torch.bfloat16)
         rows.append(
             case_row(
-                f"experts {name} {tokens} tokens",
+                f"{experts} experts top-{top_k} {name} {tokens} tokens",
                 lambda: grouped_mm(x, dense.transpose(1, 2), ends),  # noqa: B023
                 lambda tiles: mxfp8_kernels.mxfp8_grouped_mm(x, values, scales, ends, tiles),  # noqa: B023
-                mxfp8_kernels.choose_tiles(x.shape[0], EXPERTS),
+                mxfp8_kernels.choose_tiles(x.shape[0], experts),
                 GROUPED_MMAS + (GEMVS if tokens <= GEMV_UP_TO_TOKENS else []),
                 budget_end,
             )
@@ -153,12 +154,16 @@ def main() -> int:
     parser.add_argument("--out", type=Path, default=None, help="folder for mxfp8_gemv.json (default bench/results)")
     parser.add_argument("--budget-s", type=float, default=300.0, help="time no new configuration past this")
     parser.add_argument("--parts", default="experts,dense", help="which cases: experts, dense or both")
+    parser.add_argument("--experts", type=int, default=EXPERTS, help="experts of the grouped cases")
+    parser.add_argument("--top-k", type=int, default=TOP_K, help="experts a token routes to")
+    parser.add_argument("--tokens", default=",".join(map(str, GROUPED_TOKENS)), help="tokens of the grouped cases")
     parser.add_argument("--dense-rows", default=",".join(map(str, DENSE_ROWS)), help="rows of the dense cases")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     budget_end = time.monotonic() + args.budget_s
     parts = set(args.parts.split(","))
-    rows = grouped_rows(budget_end) if "experts" in parts else []
+    token_counts = [int(count) for count in args.tokens.split(",")]
+    rows = grouped_rows(args.experts, args.top_k, token_counts, budget_end) if "experts" in parts else []
     torch.cuda.empty_cache()
     counts = [int(count) for count in args.dense_rows.split(",")]
     rows += dense_rows(counts, budget_end) if "dense" in parts else []

@@ -139,9 +139,14 @@ class MoE(nn.Module):
             tokens = inputs.shape[0] // self.router.top_k
             if tokens >= self.dequantize_from_tokens and not torch.cuda.is_current_stream_capturing():
                 return self.grouped_dequantized(inputs, offsets)
-            hidden = mxfp8_kernels.mxfp8_grouped_mm(inputs, self.gate_up_proj, self.gate_up_proj_scale_inv, offsets)
+            routed = self.router.weight.shape[0]  # every expert, also under expert parallelism
+            hidden = mxfp8_kernels.mxfp8_grouped_mm(
+                inputs, self.gate_up_proj, self.gate_up_proj_scale_inv, offsets, routed_experts=routed
+            )
             hidden = swiglu_oai(hidden, self.alpha, self.limit)
-            return mxfp8_kernels.mxfp8_grouped_mm(hidden, self.down_proj, self.down_proj_scale_inv, offsets)
+            return mxfp8_kernels.mxfp8_grouped_mm(
+                hidden, self.down_proj, self.down_proj_scale_inv, offsets, routed_experts=routed
+            )
         hidden = grouped_mm(inputs, self.gate_up_proj.transpose(1, 2), offsets)
         hidden = swiglu_oai(hidden, self.alpha, self.limit)
         return grouped_mm(hidden, self.down_proj.transpose(1, 2), offsets)

@@ -92,7 +92,10 @@ PREFILL_TILES = Tiles(block_m=128, block_n=128, block_k=64, num_warps=8, num_sta
 # at 8 tokens (64 pairs), even at 16; dense linears: 1.2-1.6x cuBLAS's bf16 at 1 row, 1.0-1.1x at 2, slower at 4.
 GEMV_TILES = Tiles(block_m=1, block_n=16, block_k=512, num_warps=4, num_stages=1)
 GEMV_MAX_ROWS = 2  # dense linears
-GEMV_MAX_PAIRS = 64  # grouped GEMMs: token-expert pairs (8 tokens at top-8)
+# Grouped GEMMs: up to this many token-expert pairs (8 tokens at M3's top-8), and no more pairs than experts routed
+# over: the GEMV's time grows with an expert's rows (M3: 1.2x the MMA tiles at 64 pairs over 128 experts, even at
+# 128; the serving benchmark's 16 experts at 64 pairs ran its MoE model 0.78x BF16 against 1.26x at 16 pairs).
+GEMV_MAX_PAIRS = 64
 # dequantize_groups' tile: 16 KiB of FP8 read and 32 KiB of bf16 written a program.
 DEQUANTIZE_BLOCK_N, DEQUANTIZE_BLOCK_K = 64, 256
 ROW_MAX_BLOCK = 2048  # row_abs_max's loads: 4 KiB of bf16 a step
@@ -365,22 +368,31 @@ def mxfp8_linear(
 
 
 def mxfp8_grouped_mm(
-    x: torch.Tensor, weights: torch.Tensor, scales: torch.Tensor, ends: torch.Tensor, tiles: Tiles | None = None
+    x: torch.Tensor,
+    weights: torch.Tensor,
+    scales: torch.Tensor,
+    ends: torch.Tensor,
+    tiles: Tiles | None = None,
+    routed_experts: int | None = None,
 ) -> torch.Tensor:
     """Rows ``ends[g-1]:ends[g]`` of ``x`` ``[P, K]`` times ``weights[g]`` ``[N, K]`` transposed: ``[P, N]``.
 
-    ``ends`` ``[G]`` int32 on the device, non-decreasing; rows from ``ends[-1]`` on are left unwritten."""
+    ``ends`` ``[G]`` int32 on the device, non-decreasing; rows from ``ends[-1]`` on are left unwritten.
+    ``routed_experts``: how many experts the rows were routed over (default ``G``; more under expert parallelism,
+    where the rows include other ranks' pairs), which sets the rows an expert gets for the launch's plan."""
     if ends.shape != (weights.shape[0],):
         raise ValueError(f"ends {tuple(ends.shape)} must hold one end row per group ({weights.shape[0]})")
-    return _launch(x, weights, scales, ends, tiles)
+    return _launch(x, weights, scales, ends, tiles, routed_experts)
 
 
-def choose_tiles(rows: int, groups: int) -> Tiles:
-    """The launch configuration for ``rows`` rows over ``groups`` groups (1: a dense linear): the GEMV up to a few
-    rows, else by rows per group.  Chosen for the rows rounded up to a power of two, as a CUDA graph's padded batch
-    rounds them (``plan_launch``)."""
+def choose_tiles(rows: int, groups: int, routed_experts: int | None = None) -> Tiles:
+    """The launch configuration for ``rows`` rows over ``groups`` groups (1: a dense linear) routed over
+    ``routed_experts`` (default ``groups``): the GEMV up to a few rows (a row an expert for grouped GEMMs), else by
+    rows per group.  Chosen for the rows rounded up to a power of two, as a CUDA graph's padded batch rounds them
+    (``plan_launch``)."""
     bucket = triton.next_power_of_2(rows)
-    if bucket <= (GEMV_MAX_PAIRS if groups > 1 else GEMV_MAX_ROWS):
+    gemv_rows = min(GEMV_MAX_PAIRS, routed_experts or groups) if groups > 1 else GEMV_MAX_ROWS
+    if bucket <= gemv_rows:
         return GEMV_TILES
     rows_per_group = rows / max(1, min(rows, groups))
     if rows_per_group <= 16:
@@ -405,10 +417,17 @@ class LaunchPlan:
 
 
 def plan_launch(
-    rows: int, n: int, k: int, groups: int | None, device: torch.device, tiles: Tiles | None = None
+    rows: int,
+    n: int,
+    k: int,
+    groups: int | None,
+    device: torch.device,
+    tiles: Tiles | None = None,
+    routed_experts: int | None = None,
 ) -> LaunchPlan:
-    """The plan of ``rows`` rows times ``[N, K]`` weights: one dense matrix (``groups`` None) or ``groups`` of them."""
-    tiles = tiles or choose_tiles(rows, groups or 1)
+    """The plan of ``rows`` rows times ``[N, K]`` weights: one dense matrix (``groups`` None) or ``groups`` of them
+    (rows routed over ``routed_experts``: ``mxfp8_grouped_mm``)."""
+    tiles = tiles or choose_tiles(rows, groups or 1, routed_experts)
     block_k = min(tiles.block_k, triton.next_power_of_2(k))
     n_blocks = triton.cdiv(n, tiles.block_n)
     # Programs with work: a dense grid is all of them; a grouped one at most one block per non-empty group plus
@@ -426,7 +445,12 @@ def plan_launch(
 
 
 def _launch(
-    x: torch.Tensor, weights: torch.Tensor, scales: torch.Tensor, ends: torch.Tensor | None, tiles: Tiles | None
+    x: torch.Tensor,
+    weights: torch.Tensor,
+    scales: torch.Tensor,
+    ends: torch.Tensor | None,
+    tiles: Tiles | None,
+    routed_experts: int | None = None,
 ) -> torch.Tensor:
     groups, n, k = weights.shape
     if x.dim() != 2 or x.shape[1] != k:
@@ -441,7 +465,7 @@ def _launch(
     if rows == 0:
         return out
     grouped = ends is not None
-    plan = plan_launch(rows, n, k, groups if grouped else None, x.device, tiles)
+    plan = plan_launch(rows, n, k, groups if grouped else None, x.device, tiles, routed_experts)
     tiles, block_k, k_per_split, split = plan.tiles, plan.block_k, plan.k_per_split, plan.split
     n_blocks = triton.cdiv(n, tiles.block_n)
     row_blocks = _row_blocks(rows, groups if grouped else None, tiles)

@@ -208,6 +208,10 @@ def test_steps_of_a_few_rows_take_the_gemv_and_larger_ones_the_mma_tiles() -> No
     assert not mxfp8_kernels.choose_tiles(3, 1).gemv  # rounds up to 4 rows, as its padded graph batch
     assert mxfp8_kernels.choose_tiles(8, 128).gemv and mxfp8_kernels.choose_tiles(64, 128).gemv
     assert mxfp8_kernels.choose_tiles(65, 128) == mxfp8_kernels.DECODE_TILES
+    # no more pairs than experts routed over: 16 experts take the GEMV up to 16 pairs; under expert parallelism
+    # (16 of 128 experts on this rank, the rows every rank's pairs) it follows the 128
+    assert mxfp8_kernels.choose_tiles(16, 16).gemv and not mxfp8_kernels.choose_tiles(17, 16).gemv
+    assert mxfp8_kernels.choose_tiles(64, 16, routed_experts=128).gemv
 
 
 def test_split_k_launches_leave_their_counters_at_zero_for_the_next() -> None:
@@ -306,9 +310,13 @@ def test_a_padded_graph_batch_plans_every_matmul_as_the_eager_batch_it_pads() ->
         if text.num_experts % tp or text.moe_intermediate_size // tp % 32 or text.num_kv_heads % min(tp, 4):
             continue
         for rows_per_token, n, k, groups in _mxfp8_matmuls(text, tp, ep):
+            routed = text.num_experts if groups else None  # the MoE plans by the experts its tokens route over
             for requests in range(1, sizes[-1] + 1):
                 padded = next(size for size in sizes if size >= requests)
-                eager = mxfp8_kernels.plan_launch(requests * rows_per_token, n, k, groups, cpu)
-                if mxfp8_kernels.plan_launch(padded * rows_per_token, n, k, groups, cpu) != eager:
+                eager = mxfp8_kernels.plan_launch(requests * rows_per_token, n, k, groups, cpu, routed_experts=routed)
+                if (
+                    mxfp8_kernels.plan_launch(padded * rows_per_token, n, k, groups, cpu, routed_experts=routed)
+                    != eager
+                ):
                     differing.append((name, tp, ep, n, k, groups, requests))
     assert not differing
