@@ -145,12 +145,16 @@ def stages(results_dir: Path, selected: set[str] | None) -> list[Stage]:
         Stage("mxfp8_moe", bench("mxfp8_moe", "--budget-s", "30", "--tokens", "1,4,16,64,512,2048,8192",
                                  "--rank-tokens", "8,8192"), 60),
         pytest_stage("mxfp8_tests", ["test_mxfp8.py"], 200),
-        # The dense linears with MXFP8 weights against cuBLAS's bf16 at decode sizes (~30 s).
+        # The dense linears with MXFP8 weights against cuBLAS's bf16 at decode sizes (~30 s), and the GEMV's and
+        # the MMA tiles' configurations at decode sizes (~150 s).
         Stage("mxfp8_linears", bench("mxfp8_linears"), 90),
-        # Issue 29 item 5, not run yet: the serving benchmark's model in BF16 (a) and MXFP8 (f) in the same run, with
-        # dense MLPs and with MoE layers (bench/README.md, "MXFP8 weights (config f)").
+        Stage("mxfp8_gemv", bench("mxfp8_gemv", "--budget-s", "150"), 180),
+        # Issue 29 item 5: the serving benchmark's model in BF16 (a) and MXFP8 (f) in the same run, with dense MLPs
+        # and with MoE layers (bench/README.md, "MXFP8 weights (config f)").  a first, with 3 shares of the budget:
+        # on a fresh machine its build pays FlashInfer's JIT (~2 minutes), which f then finds built.
         *[Stage(f"serving_af_mxfp8{suffix}", bench("serving", "--name", f"serving_af_mxfp8{suffix}", *moe, "--budget-s",
-                                                 "540", "--configs", "a,f", "--concurrency", "1,2,4,8,16,32,64",
+                                                 "540", "--weights", "a=3", "--configs", "a,f",
+                                                 "--concurrency", "1,2,4,8,16,32,64",
                                                  "--output-tokens", "512", "--requests-per-point", "2",
                                                  "--long-context", "0"), 570)
           for suffix, moe in (("", ()), ("_moe", ("--moe",)))],

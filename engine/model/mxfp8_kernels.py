@@ -87,9 +87,9 @@ DENSE_DECODE_TILES = replace(DECODE_TILES, widen=0)
 MEDIUM_TILES = Tiles(block_m=64, block_n=128, block_k=128, num_warps=4, num_stages=3)
 PREFILL_TILES = Tiles(block_m=128, block_n=128, block_k=64, num_warps=8, num_stages=4)
 # One row a program on CUDA cores, for steps of a few rows; up to where it stops beating the MMA tiles on the H200
-# (scratch sweep at 4eca07e, bench/README.md "MXFP8 GEMV"): each row's program widens the weights again, so its
-# time grows with the rows where the MMA tiles' does not.  M3's experts: 1.6x the MMA decode tiles at 1 token, 1.17x
-# at 8 tokens (64 pairs), even at 16; dense linears: 1.2-1.6x cuBLAS's bf16 at 1 row, 1.0-1.1x at 2, slower at 4.
+# (python -m bench.mxfp8_gemv, bench/README.md "MXFP8 GEMV"): each row's program widens the weights again, so its
+# time grows with the rows where the MMA tiles' does not.  M3's experts: 1.6x the MMA decode tiles at 1 token, 1.2x
+# at 8 tokens (64 pairs), slower at 16; dense linears: 1.0-1.6x cuBLAS's bf16 at 1 row, 1.0-1.1x at 2, slower at 4.
 GEMV_TILES = Tiles(block_m=1, block_n=16, block_k=512, num_warps=4, num_stages=1)
 GEMV_MAX_ROWS = 2  # dense linears
 # Grouped GEMMs: up to this many token-expert pairs (8 tokens at M3's top-8), and no more pairs than experts routed
