@@ -48,9 +48,12 @@ GEMVS = [
 # The GEMV is timed up to here (each row's program widens the weights again): tokens (experts), rows (dense)
 GEMV_UP_TO_TOKENS, GEMV_UP_TO_ROWS = 16, 4
 # MMA tiles beside the GEMV: the grouped decode default; for dense linears each MMA class and fp16 MMAs
-GROUPED_MMAS = [mxfp8_kernels.DECODE_TILES]
+# (swap_ab: the same tiles multiplying out.T = W x.T, which compile to Hopper's warpgroup MMAs: bench.sm90_compile)
+GROUPED_MMAS = [mxfp8_kernels.DECODE_TILES, replace(mxfp8_kernels.DECODE_TILES, swap_ab=True)]
 DENSE_MMAS = [mxfp8_kernels.DENSE_DECODE_TILES, mxfp8_kernels.DECODE_TILES, mxfp8_kernels.MEDIUM_TILES,
-              replace(mxfp8_kernels.MEDIUM_TILES, widen=3)]  # fmt: skip
+              replace(mxfp8_kernels.MEDIUM_TILES, widen=3), replace(mxfp8_kernels.DENSE_DECODE_TILES, swap_ab=True),
+              replace(mxfp8_kernels.DENSE_DECODE_TILES, block_n=128, swap_ab=True),
+              replace(mxfp8_kernels.MEDIUM_TILES, swap_ab=True)]  # fmt: skip
 # From 16 rows on, the MMA tiles at fixed K splits too: each split writes and reads back rows x N float32 partials
 DENSE_SPLITS = [replace(tiles, split_k=split) for split in (1, 2, 3, 4)
                 for tiles in (mxfp8_kernels.DENSE_DECODE_TILES, mxfp8_kernels.MEDIUM_TILES)]  # fmt: skip
@@ -58,7 +61,7 @@ COLUMNS = ["case", "bf16_us", "default", "default_us", "best", "best_us", "bf16_
 
 
 def short(tiles: Tiles) -> str:
-    kind = "gemv" if tiles.gemv else f"mma{tiles.widen}"
+    kind = "gemv" if tiles.gemv else f"mma{tiles.widen}" + (" swap_ab" if tiles.swap_ab else "")
     split = f" split{tiles.split_k}" if tiles.split_k else ""
     return f"{kind} {tiles.block_m}x{tiles.block_n}x{tiles.block_k} w{tiles.num_warps}{split}"
 

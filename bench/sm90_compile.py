@@ -1,8 +1,9 @@
-"""Compile the MSA prefill Triton kernels for sm_90 ahead of time (no GPU needed) and report what an
-H200 would run: registers, spill bytes, shared memory, resident CTAs per SM, wgmma and cp.async counts.
+"""Compile the MSA prefill and decode and the MXFP8 Triton kernels for sm_90 ahead of time (no GPU needed) and
+report what an H200 would run: registers, spill bytes, shared memory, resident CTAs per SM, wgmma and cp.async counts.
 
     python -m bench.sm90_compile                      # every launch config the prefill benchmark sweeps
     python -m bench.sm90_compile --kernels block_major --dump /tmp/ttgir   # also write TTGIR and PTX
+    python -m bench.sm90_compile --kernels mxfp8      # the MXFP8 matmuls' tile classes
 
 Use the Triton version of the GPU machine (3.6 on the H200, ``../shared/gpu/README.md``): code
 generation, register allocation and software pipelining change between versions.  For example
@@ -227,17 +228,46 @@ def decode_builds() -> Iterator[KernelBuild]:
         )  # fmt: skip
 
 
+def mxfp8_builds() -> Iterator[KernelBuild]:
+    """The MXFP8 matmuls at M3's decode sizes: the GEMV, each MMA tile class of ``mxfp8_kernels``' plan, and the
+    same tiles multiplying out.T = W x.T (``swap_ab``: the weights on the MMA's M side), bf16 activations."""
+    from m3stack.engine.model import mxfp8_kernels as kernels
+
+    pointers = dict(x_ptr="*bf16", w_ptr="*fp8e4nv", s_ptr="*u8", out_ptr="*bf16", partials_ptr="*fp32",
+                    counters_ptr="*i32", ends_ptr="*i32", row_max_ptr="*fp32")  # fmt: skip
+    experts = dict(GROUPS=128, GROUPS_P=128, SPLIT=1, EVEN_K=True)
+    dense = dict(GROUPS=0, GROUPS_P=1, SPLIT=4, EVEN_K=True)
+    gemv = kernels.GEMV_TILES
+    yield KernelBuild(
+        "mxfp8 gemv experts",
+        kernels._mxfp8_gemv_kernel,
+        pointers,
+        dict(BLOCK_N=gemv.block_n, BLOCK_K=gemv.block_k, **experts),
+        gemv.num_warps,
+        gemv.num_stages,
+    )
+    cases = [("experts decode", kernels.DECODE_TILES, experts), ("dense decode", kernels.DENSE_DECODE_TILES, dense),
+             ("dense medium", kernels.MEDIUM_TILES, dense)]  # fmt: skip
+    for name, tiles, shape in cases:
+        for swap_ab in (False, True):
+            constexprs = dict(BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, WIDEN=tiles.widen,
+                              ROW_SCALED=tiles.widen == 3, SWAP_AB=swap_ab, **shape)  # fmt: skip
+            yield KernelBuild(f"mxfp8 {name}{' swap_ab' if swap_ab else ''}", kernels._mxfp8_matmul_kernel, pointers,
+                              constexprs, tiles.num_warps, tiles.num_stages)  # fmt: skip
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument(
-        "--kernels", default="index,index_merge,block_major,merge,query_major,csr_bucket,csr_items,scan"
+        "--kernels", default="index,index_merge,block_major,merge,query_major,csr_bucket,csr_items,scan,mxfp8"
     )
     parser.add_argument("--dump", type=Path, default=None, help="write each build's TTGIR and PTX here")
     parser.add_argument("--out", type=Path, default=None, help="also write sm90_compile.json here")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     kernels = set(args.kernels.split(","))
-    builds = (b for b in itertools.chain(prefill_builds(), decode_builds()) if b.name.split(" ")[0] in kernels)
+    all_builds = itertools.chain(prefill_builds(), decode_builds(), mxfp8_builds())
+    builds = (b for b in all_builds if b.name.split(" ")[0] in kernels)
     report_builds("sm90_compile", builds, args.dump, args.out)
     return 0
 

@@ -69,6 +69,9 @@ class Tiles:
     # _widen's WIDEN for bf16 activations (fp16 ones widen through float32), or 3: fp16 MMAs, scales on the
     # accumulator (for fp16 activations too)
     widen: int = 0
+    # MMAs of out.T = W x.T: the weight tile is the MMA's M side (64-128 of its rows, which Hopper's warpgroup
+    # MMAs need), the few activation rows its N side; not a default until the H200 has timed it (bench.mxfp8_gemv)
+    swap_ab: bool = False
 
     @property
     def gemv(self) -> bool:
@@ -129,14 +132,19 @@ def _row_shifts(row_max_ptr, offs_m, mask_m):
 
 
 @triton.jit
-def _fp16_product(x, w, s, acc, row_down, ROW_SCALED: tl.constexpr):
+def _fp16_product(x, w, s, acc, row_down, ROW_SCALED: tl.constexpr, SWAP_AB: tl.constexpr):
     """``acc`` plus ``x @ (w * 2 ** (s - 127))`` through an fp16 MMA, short of the rows' ``up`` factors: ``w``
     (e4m3) widens exactly to fp16, ``x`` goes to fp16 (bf16 rows times their ``row_down``: ``_row_shifts``), and
-    the block's scales ``s`` ``[1, N]`` multiply the float32 product before it joins the accumulator."""
+    the block's scales ``s`` ``[1, N]`` multiply the float32 product before it joins the accumulator (``SWAP_AB``:
+    the transposed product into a transposed ``acc``)."""
     if ROW_SCALED:
         x = x.to(tl.float32) * row_down[:, None]
-    part = tl.dot(x.to(tl.float16), w.to(tl.float16))
-    return acc + part * (s.to(tl.int32) << 23).to(tl.float32, bitcast=True)
+    scale = (s.to(tl.int32) << 23).to(tl.float32, bitcast=True)
+    if SWAP_AB:  # one return: the compiler unifies a function's returns, and the two shapes differ
+        acc += tl.dot(tl.trans(w.to(tl.float16)), tl.trans(x.to(tl.float16))) * tl.trans(scale)
+    else:
+        acc += tl.dot(x.to(tl.float16), w.to(tl.float16)) * scale
+    return acc
 
 
 @triton.jit
@@ -146,7 +154,7 @@ def _mxfp8_matmul_kernel(
     stride_x, stride_wg, stride_wn, stride_sg, stride_sk, stride_split, stride_partial, stride_out,
     GROUPS: tl.constexpr, GROUPS_P: tl.constexpr, SPLIT: tl.constexpr, EVEN_K: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, WIDEN: tl.constexpr,
-    ROW_SCALED: tl.constexpr,
+    ROW_SCALED: tl.constexpr, SWAP_AB: tl.constexpr,
 ):  # fmt: skip
     """One ``BLOCK_M x BLOCK_N`` output tile of one group over ``k_per_split`` inputs (program axis 2).
 
@@ -190,7 +198,8 @@ def _mxfp8_matmul_kernel(
     x_rows = x_ptr + offs_m[:, None].to(tl.int64) * stride_x
     w_cols = w_ptr + group.to(tl.int64) * stride_wg + offs_n[None, :].to(tl.int64) * stride_wn
     s_cols = s_ptr + group.to(tl.int64) * stride_sg + offs_n[None, :]
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    # SWAP_AB: out.T's tile, the weights' rows on the MMA's M side
+    acc = tl.zeros((BLOCK_N, BLOCK_M) if SWAP_AB else (BLOCK_M, BLOCK_N), dtype=tl.float32)
     row_down = tl.full((BLOCK_M,), 1.0, tl.float32)
     row_up = tl.full((BLOCK_M,), 1.0, tl.float32)
     if ROW_SCALED:
@@ -212,10 +221,14 @@ def _mxfp8_matmul_kernel(
                 w = tl.load(w_cols + in_k[:, None], mask=live[:, None] & mask_n[None, :], other=0.0)
                 s = tl.load(scale_ptrs, mask=mask_n[None, :], other=0)
             if WIDEN == 3:
-                acc = _fp16_product(x, w, s, acc, row_down, ROW_SCALED)
+                acc = _fp16_product(x, w, s, acc, row_down, ROW_SCALED, SWAP_AB)
+            elif SWAP_AB:
+                acc = tl.dot(tl.trans(_widen(w, s, x_ptr.dtype.element_ty, WIDEN)), tl.trans(x), acc)
             else:
                 acc = tl.dot(x, _widen(w, s, x_ptr.dtype.element_ty, WIDEN), acc)
 
+    if SWAP_AB:
+        acc = tl.trans(acc)
     if ROW_SCALED:
         acc = acc * row_up[:, None]
     mask = mask_m[:, None] & mask_n[None, :]
@@ -487,7 +500,7 @@ def _launch(
     row_max = row_abs_max(x) if row_scaled else x
     _mxfp8_matmul_kernel[(row_blocks, n_blocks, split)](
         x, weights, scales, out, partials, counters, ends if grouped else x, row_max, rows, n, k, k_per_split,
-        *strides, BLOCK_M=tiles.block_m, ROW_SCALED=row_scaled,
+        *strides, BLOCK_M=tiles.block_m, ROW_SCALED=row_scaled, SWAP_AB=tiles.swap_ab,
         WIDEN=tiles.widen if x.dtype == torch.bfloat16 or tiles.widen == 3 else 0, **common,
     )  # fmt: skip
     return out

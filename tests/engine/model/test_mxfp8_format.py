@@ -114,6 +114,8 @@ def _reference(x: torch.Tensor, values: torch.Tensor, scales: torch.Tensor) -> t
         (5, 96, 128, Tiles(16, 32, 64, 4, 1)),  # K over two tiles
         (3, 40, 96, Tiles(16, 32, 64, 4, 1)),  # N and K past a tile's edge (K not a multiple of the tile)
         (37, 64, 256, Tiles(16, 64, 64, 4, 1, split_k=3)),  # split K, uneven split, several row blocks
+        (37, 64, 256, Tiles(16, 64, 64, 4, 1, split_k=3, swap_ab=True)),  # out.T = W x.T, the same cases
+        (3, 40, 96, Tiles(16, 32, 64, 4, 1, swap_ab=True)),
     ],
 )
 def test_dense_kernel_matches_the_dequantized_reference(rows: int, n: int, k: int, tiles: Tiles) -> None:
@@ -135,7 +137,9 @@ def test_grouped_kernel_runs_each_group_on_its_rows_and_skips_empty_groups() -> 
     x = random(sum(counts) + skipped, k, seed=4).half()
     ends = torch.tensor(counts).cumsum(0).to(torch.int32)
     # MMA tiles and the GEMV (one row a program), each with and without a K split
-    for tiles in (Tiles(16, 32, 64, 4, 1), Tiles(16, 32, 32, 4, 1, split_k=2), GEMV, Tiles(1, 32, 32, 4, 1, split_k=2)):
+    swapped = Tiles(16, 32, 32, 4, 1, split_k=2, swap_ab=True)
+    for tiles in (Tiles(16, 32, 64, 4, 1), Tiles(16, 32, 32, 4, 1, split_k=2), swapped, GEMV,
+                  Tiles(1, 32, 32, 4, 1, split_k=2)):  # fmt: skip
         out = mxfp8_kernels.mxfp8_grouped_mm(x, values, mxfp8.block_major(scales), ends, tiles)
         start = 0
         for group, count in enumerate(counts):
@@ -148,15 +152,16 @@ def test_grouped_kernel_runs_each_group_on_its_rows_and_skips_empty_groups() -> 
 FP16_MMA = Tiles(16, 32, 64, 4, 1, widen=3)
 
 
+@pytest.mark.parametrize("tiles", [FP16_MMA, dataclasses.replace(FP16_MMA, swap_ab=True)])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_fp16_mma_tiles_keep_each_row_accurate_whatever_its_magnitude(dtype: torch.dtype) -> None:
+def test_fp16_mma_tiles_keep_each_row_accurate_whatever_its_magnitude(dtype: torch.dtype, tiles: Tiles) -> None:
     """bf16 rows far outside fp16's range (2 ** 40, 2 ** -40 times the others) and a zero row: each row within the
     bf16 tiles' error of the reference, where a plain fp16 conversion gives inf or zeros."""
     values, scales = mxfp8.quantize(random(40, 96, seed=11, scale=0.05))
     magnitudes = [1.0, 2.0**40, 2.0**-40, 0.0, 300.0] if dtype == torch.bfloat16 else [1.0, 300.0, 2.0**-10, 0.0]
     x = (random(len(magnitudes), 96, seed=12) * torch.tensor(magnitudes)[:, None]).to(dtype)
     reference = _reference(x, values, scales)
-    out = mxfp8_kernels.mxfp8_linear(x, values, mxfp8.block_major(scales), FP16_MMA)
+    out = mxfp8_kernels.mxfp8_linear(x, values, mxfp8.block_major(scales), tiles)
     assert out.dtype == dtype and torch.isfinite(out).all()
     for row, magnitude in enumerate(magnitudes):
         if magnitude == 0.0:
@@ -172,7 +177,7 @@ def test_fp16_mma_tiles_run_groups_with_split_k_and_fewer_rows_than_groups() -> 
     values, scales = mxfp8.quantize(random(groups, n, k, seed=13, scale=0.1))
     ends = torch.tensor([0, 0, 0, 0, 0, 0, 1, 2], dtype=torch.int32)
     x = random(2, k, seed=14).to(torch.bfloat16)
-    for tiles in (FP16_MMA, dataclasses.replace(FP16_MMA, split_k=3)):
+    for tiles in (FP16_MMA, dataclasses.replace(FP16_MMA, split_k=3), dataclasses.replace(FP16_MMA, swap_ab=True)):
         out = mxfp8_kernels.mxfp8_grouped_mm(x, values, mxfp8.block_major(scales), ends, tiles)
         for row, group in ((0, 6), (1, 7)):
             assert relative_error(out[row], _reference(x[row : row + 1], values[group], scales[group])[0]) < 4e-3
