@@ -237,7 +237,7 @@ def mxfp8_builds() -> Iterator[KernelBuild]:
                     counters_ptr="*i32", ends_ptr="*i32", row_max_ptr="*fp32")  # fmt: skip
     experts = dict(GROUPS=128, GROUPS_P=128, SPLIT=1, EVEN_K=True)
     dense = dict(GROUPS=0, GROUPS_P=1, SPLIT=4, EVEN_K=True)
-    gemv = kernels.GEMV_TILES
+    gemv = kernels.GROUPED_GEMV_TILES
     yield KernelBuild(
         "mxfp8 gemv experts",
         kernels._mxfp8_gemv_kernel,

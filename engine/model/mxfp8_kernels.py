@@ -94,6 +94,10 @@ PREFILL_TILES = Tiles(block_m=128, block_n=128, block_k=64, num_warps=8, num_sta
 # time grows with the rows where the MMA tiles' does not.  M3's experts: 1.6x the MMA decode tiles at 1 token, 1.2x
 # at 8 tokens (64 pairs), slower at 16; dense linears: 1.0-1.6x cuBLAS's bf16 at 1 row, 1.0-1.1x at 2, slower at 4.
 GEMV_TILES = Tiles(block_m=1, block_n=16, block_k=512, num_warps=4, num_stages=1)
+# The experts' GEMV reads 256 bytes a weight row a step: faster than 512 in every grouped case it runs (M3's experts
+# at 1-8 tokens by 1-6%, 16 experts at top-4 by 5-20%: bench/results/mxfp8_gemv*.json); dense linears keep 512
+# (256 was 12-16% slower for q, o and the MLPs' down projections at 1-2 rows).
+GROUPED_GEMV_TILES = replace(GEMV_TILES, block_k=256)
 GEMV_MAX_ROWS = 2  # dense linears
 # Grouped GEMMs: up to this many token-expert pairs (8 tokens at M3's top-8), and no more pairs than experts routed
 # over: the GEMV's time grows with an expert's rows (M3: 1.2x the MMA tiles at 64 pairs over 128 experts, even at
@@ -406,7 +410,7 @@ def choose_tiles(rows: int, groups: int, routed_experts: int | None = None) -> T
     bucket = triton.next_power_of_2(rows)
     gemv_rows = min(GEMV_MAX_PAIRS, routed_experts or groups) if groups > 1 else GEMV_MAX_ROWS
     if bucket <= gemv_rows:
-        return GEMV_TILES
+        return GROUPED_GEMV_TILES if groups > 1 else GEMV_TILES
     rows_per_group = rows / max(1, min(rows, groups))
     if rows_per_group <= 16:
         return DECODE_TILES if groups > 1 else DENSE_DECODE_TILES

@@ -25,6 +25,7 @@ from m3stack.engine.model.mxfp8_kernels import (
     DECODE_TILES,
     DENSE_DECODE_TILES,
     GEMV_TILES,
+    GROUPED_GEMV_TILES,
     MEDIUM_TILES,
     PREFILL_TILES,
     Tiles,
@@ -47,7 +48,8 @@ DENSE_CASES = [((1, 2 * INTER, HIDDEN), GEMV_TILES), ((2, HIDDEN, INTER), GEMV_T
                ((300, 1024, HIDDEN), dataclasses.replace(PREFILL_TILES, widen=2)),
                ((16, HIDDEN, INTER), dataclasses.replace(DENSE_DECODE_TILES, swap_ab=True)),
                ((64, 2 * INTER, HIDDEN), dataclasses.replace(MEDIUM_TILES, swap_ab=True))]  # fmt: skip
-GROUPED_CASES = [(1, GEMV_TILES), (4, GEMV_TILES), (1, DECODE_TILES), (64, DECODE_TILES),
+GROUPED_CASES = [(1, GROUPED_GEMV_TILES), (4, GROUPED_GEMV_TILES), (4, GEMV_TILES), (1, DECODE_TILES),
+                 (64, DECODE_TILES),
                  (2048, PREFILL_TILES), (64, DENSE_DECODE_TILES),
                  (64, dataclasses.replace(DECODE_TILES, widen=1)),
                  (2048, dataclasses.replace(PREFILL_TILES, widen=2)),
