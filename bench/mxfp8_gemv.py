@@ -47,14 +47,17 @@ GEMVS = [
 ]
 # The GEMV is timed up to here (each row's program widens the weights again): tokens (experts), rows (dense)
 GEMV_UP_TO_TOKENS, GEMV_UP_TO_ROWS = 16, 4
-# MMA tiles beside the GEMV: the grouped decode default; for dense linears each MMA class and fp16 MMAs
-# (swap_ab: the same tiles multiplying out.T = W x.T, which compile to Hopper's warpgroup MMAs: bench.sm90_compile)
-GROUPED_MMAS = [mxfp8_kernels.DECODE_TILES, replace(mxfp8_kernels.DECODE_TILES, swap_ab=True)]
+# MMA tiles beside the GEMV: the grouped decode default; for dense linears each MMA class and fp16 MMAs.  swap_ab
+# tiles multiply out.T = W x.T (the weights on the MMA's M side): the plan's tiles so, and the candidates
+# that compile for sm_90 (Triton 3.6) to warpgroup MMAs without spills at 4-8 CTAs a SM (bench.sm90_compile).
+SWAP_CANDIDATES = [Tiles(16, 64, 128, 4, 3, widen=3, swap_ab=True), Tiles(16, 64, 128, 4, 3, swap_ab=True)]
+GROUPED_MMAS = [mxfp8_kernels.DECODE_TILES, replace(mxfp8_kernels.DECODE_TILES, swap_ab=True), *SWAP_CANDIDATES]
 DENSE_MMAS = [mxfp8_kernels.DENSE_DECODE_TILES, mxfp8_kernels.DECODE_TILES, mxfp8_kernels.MEDIUM_TILES,
               replace(mxfp8_kernels.MEDIUM_TILES, widen=3), replace(mxfp8_kernels.DENSE_DECODE_TILES, swap_ab=True),
-              replace(mxfp8_kernels.DENSE_DECODE_TILES, block_n=128, swap_ab=True),
-              replace(mxfp8_kernels.MEDIUM_TILES, swap_ab=True)]  # fmt: skip
-# From 16 rows on, the MMA tiles at fixed K splits too: each split writes and reads back rows x N float32 partials
+              replace(mxfp8_kernels.MEDIUM_TILES, swap_ab=True), *SWAP_CANDIDATES,
+              Tiles(32, 64, 128, 4, 3, swap_ab=True), Tiles(64, 64, 64, 4, 3, swap_ab=True)]  # fmt: skip
+# --splits, from 16 rows on: the MMA tiles at fixed K splits too (each split writes and reads back rows x N float32
+# partials; no split brought 64 rows within 1.6x of cuBLAS: bench/results/mxfp8_gemv_dense_splits.json)
 DENSE_SPLITS = [replace(tiles, split_k=split) for split in (1, 2, 3, 4)
                 for tiles in (mxfp8_kernels.DENSE_DECODE_TILES, mxfp8_kernels.MEDIUM_TILES)]  # fmt: skip
 COLUMNS = ["case", "bf16_us", "default", "default_us", "best", "best_us", "bf16_over_default", "bf16_over_best"]
@@ -63,7 +66,7 @@ COLUMNS = ["case", "bf16_us", "default", "default_us", "best", "best_us", "bf16_
 def short(tiles: Tiles) -> str:
     kind = "gemv" if tiles.gemv else f"mma{tiles.widen}" + (" swap_ab" if tiles.swap_ab else "")
     split = f" split{tiles.split_k}" if tiles.split_k else ""
-    return f"{kind} {tiles.block_m}x{tiles.block_n}x{tiles.block_k} w{tiles.num_warps}{split}"
+    return f"{kind} {tiles.block_m}x{tiles.block_n}x{tiles.block_k} w{tiles.num_warps} s{tiles.num_stages}{split}"
 
 
 def random_mxfp8(*shape: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -132,7 +135,7 @@ def grouped_rows(experts: int, top_k: int, token_counts: list[int], budget_end: 
     return rows
 
 
-def dense_rows(counts: list[int], budget_end: float) -> list[dict[str, Any]]:
+def dense_rows(counts: list[int], splits: bool, budget_end: float) -> list[dict[str, Any]]:
     rows = []
     for name, (n, k) in tqdm(LINEARS.items(), desc="dense"):
         values, row_major, dense = random_mxfp8(n, k)
@@ -145,7 +148,9 @@ def dense_rows(counts: list[int], budget_end: float) -> list[dict[str, Any]]:
                     lambda: torch.nn.functional.linear(x, dense),  # noqa: B023
                     lambda tiles: mxfp8_kernels.mxfp8_linear(x, values, scales, tiles),  # noqa: B023
                     mxfp8_kernels.choose_tiles(count, 1),
-                    DENSE_MMAS + (GEMVS if count <= GEMV_UP_TO_ROWS else []) + (DENSE_SPLITS if count >= 16 else []),
+                    DENSE_MMAS
+                    + (GEMVS if count <= GEMV_UP_TO_ROWS else [])
+                    + (DENSE_SPLITS if splits and count >= 16 else []),
                     budget_end,
                 )
             )
@@ -160,6 +165,7 @@ def main() -> int:
     parser.add_argument("--experts", type=int, default=EXPERTS, help="experts of the grouped cases")
     parser.add_argument("--top-k", type=int, default=TOP_K, help="experts a token routes to")
     parser.add_argument("--tokens", default=",".join(map(str, GROUPED_TOKENS)), help="tokens of the grouped cases")
+    parser.add_argument("--splits", action="store_true", help="also the dense MMA tiles at fixed K splits")
     parser.add_argument("--dense-rows", default=",".join(map(str, DENSE_ROWS)), help="rows of the dense cases")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
@@ -169,7 +175,7 @@ def main() -> int:
     rows = grouped_rows(args.experts, args.top_k, token_counts, budget_end) if "experts" in parts else []
     torch.cuda.empty_cache()
     counts = [int(count) for count in args.dense_rows.split(",")]
-    rows += dense_rows(counts, budget_end) if "dense" in parts else []
+    rows += dense_rows(counts, args.splits, budget_end) if "dense" in parts else []
     write_results("mxfp8_gemv", rows, {"configurations": [short(tiles) for tiles in GEMVS]}, args.out)
     sys.stdout.write(markdown_table(rows, COLUMNS) + "\n")
     return 0

@@ -24,6 +24,7 @@ import subprocess
 import sys
 import tempfile
 from collections.abc import Iterable, Iterator
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -246,14 +247,27 @@ def mxfp8_builds() -> Iterator[KernelBuild]:
         gemv.num_warps,
         gemv.num_stages,
     )
+    from bench.mxfp8_gemv import DENSE_MMAS, GROUPED_MMAS
+
     cases = [("experts decode", kernels.DECODE_TILES, experts), ("dense decode", kernels.DENSE_DECODE_TILES, dense),
              ("dense medium", kernels.MEDIUM_TILES, dense)]  # fmt: skip
+    cases = [
+        (name, replace(tiles, swap_ab=swap_ab), shape) for name, tiles, shape in cases for swap_ab in (False, True)
+    ]
+    # and the other swap_ab candidates bench.mxfp8_gemv times
+    cases += [("experts", tiles, experts) for tiles in GROUPED_MMAS if tiles.swap_ab]
+    cases += [("dense", tiles, dense) for tiles in DENSE_MMAS if tiles.swap_ab]
+    seen = set()
     for name, tiles, shape in cases:
-        for swap_ab in (False, True):
-            constexprs = dict(BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, WIDEN=tiles.widen,
-                              ROW_SCALED=tiles.widen == 3, SWAP_AB=swap_ab, **shape)  # fmt: skip
-            yield KernelBuild(f"mxfp8 {name}{' swap_ab' if swap_ab else ''}", kernels._mxfp8_matmul_kernel, pointers,
-                              constexprs, tiles.num_warps, tiles.num_stages)  # fmt: skip
+        if (tiles, shape["GROUPS"]) in seen:
+            continue
+        seen.add((tiles, shape["GROUPS"]))
+        constexprs = dict(BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, WIDEN=tiles.widen,
+                          ROW_SCALED=tiles.widen == 3, SWAP_AB=tiles.swap_ab, **shape)  # fmt: skip
+        label = (f"mxfp8 {name}{' swap_ab' if tiles.swap_ab else ''} {tiles.block_m}x{tiles.block_n}x{tiles.block_k}"
+                 f" widen{tiles.widen}")  # fmt: skip
+        yield KernelBuild(label, kernels._mxfp8_matmul_kernel, pointers, constexprs, tiles.num_warps,
+                          tiles.num_stages)  # fmt: skip
 
 
 def main() -> int:
