@@ -200,31 +200,40 @@ def prefill_builds() -> Iterator[KernelBuild]:
 
 
 def decode_builds() -> Iterator[KernelBuild]:
-    """The MSA decode index scan at M3 dims (bf16 k-index, one token per request, merge and store fused), in the
-    scan configs ``bench.msa_decode`` sweeps, and with the page ids loaded one iteration ahead."""
+    """The MSA decode index scan at M3 dims (one token per request, merge and store fused), over a bf16 k-index in
+    the scan configs ``bench.msa_decode`` sweeps (and with the page ids loaded one iteration ahead), and over the
+    engine's fp8 k-index (e4m3 keys, a float32 scale per token) in ``DecodeTuning().fp8_scan`` and the one-page
+    configs."""
     from bench import msa_decode as bench
     from m3stack.engine.msa import decode_index_kernels
+    from m3stack.engine.msa.decode_tuning import DecodeTuning
 
     shape = bench.M3
     ranked = shape.topk - shape.local_blocks
-    pointers = dict(q_ptr="*bf16", key_ptr="*bf16", page_table_ptr="*i32", query_start_ptr="*i32",
-                    seq_lens_ptr="*i32", list_ptr="*i64", head_ptr="*i64", counter_ptr="*i32",
+    pointers = dict(q_ptr="*bf16", key_ptr="*bf16", key_scale_ptr="*fp32", page_table_ptr="*i32",
+                    query_start_ptr="*i32", seq_lens_ptr="*i32", list_ptr="*i64", head_ptr="*i64", counter_ptr="*i32",
                     row_indptr_ptr="*i32", selected_ptr="*i32", page_ids_ptr="*i32", slot_ptr="*i64", k_ptr="*bf16",
                     v_ptr="*bf16", ik_ptr="*bf16", key_cache_ptr="*bf16", value_cache_ptr="*bf16",
-                    index_cache_ptr="*bf16")  # fmt: skip
+                    index_cache_ptr="*bf16", index_scale_ptr="*fp32")  # fmt: skip
+    fp8_pointers = dict(pointers, key_ptr="*fp8e4nv", index_cache_ptr="*fp8e4nv")
     constexprs = dict(
         HIDX=shape.num_kv_heads, D=shape.index_head_dim, B=shape.block_size, N=16, CS=shape.num_kv_heads,
         KP=triton.next_power_of_2(ranked), SP=512, TOPK=shape.topk, TOPK_P=triton.next_power_of_2(shape.topk),
         KR=ranked, KR_P=triton.next_power_of_2(ranked), LOCAL=shape.local_blocks, INPUT_PRECISION="tf32",
-        MERGE=True, FLOOR=decode_index_kernels.FLOOR, ST_HKV=shape.num_kv_heads, ST_HKV_P=shape.num_kv_heads,
-        ST_D=shape.head_dim, ST_D_P=shape.head_dim, ST_DI=shape.index_head_dim, ST_DI_P=shape.index_head_dim,
-        ST_HAS_INDEX=True,
+        MERGE=True, PDL=True, SPLIT_MAJOR=False, FLOOR=decode_index_kernels.FLOOR, ST_HKV=shape.num_kv_heads,
+        ST_HKV_P=shape.num_kv_heads, ST_D=shape.head_dim, ST_D_P=shape.head_dim, ST_DI=shape.index_head_dim,
+        ST_DI_P=shape.index_head_dim, ST_HAS_INDEX=True,
     )  # fmt: skip
     configs = [dataclasses.replace(c, page_ids_ahead=ahead) for ahead in (False, True) for c in bench.SCAN_CONFIGS]
-    for config in configs:
+    builds = [(config, "", pointers, False) for config in configs]
+    fp8_configs = dict.fromkeys([DecodeTuning().fp8_scan, *bench.SCAN_CONFIGS[:4]])
+    builds += [(config, " fp8-index", fp8_pointers, True) for config in fp8_configs]
+    for config, label, types, scaled in builds:
         yield KernelBuild(
-            f"scan pages={config.pages_per_iteration} ahead={config.page_ids_ahead}", decode_index_kernels.scan_kernel,
-            pointers, dict(PAGES=config.pages_per_iteration, PAGE_IDS_AHEAD=config.page_ids_ahead, **constexprs),
+            f"scan pages={config.pages_per_iteration} ahead={config.page_ids_ahead}{label}",
+            decode_index_kernels.scan_kernel, types,
+            dict(PAGES=config.pages_per_iteration, PAGE_IDS_AHEAD=config.page_ids_ahead, KEY_SCALED=scaled,
+                 ST_INDEX_SCALED=scaled, **constexprs),
             num_warps=config.num_warps, num_stages=config.num_stages,
         )  # fmt: skip
 

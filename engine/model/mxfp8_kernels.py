@@ -49,6 +49,7 @@ import torch
 import triton
 import triton.language as tl
 
+from m3stack.engine.fp16_range import fp16_shift
 from m3stack.engine.model.quantization import BLOCK_SIZE
 
 ACTIVATION_DTYPES = (torch.bfloat16, torch.float16)
@@ -126,13 +127,9 @@ def _widen(w, s, DTYPE: tl.constexpr, WIDEN: tl.constexpr):
 
 @triton.jit
 def _row_shifts(row_max_ptr, offs_m, mask_m):
-    """Per row, powers of two ``(down, up)`` that bring the row's largest magnitude into [2 ** 14, 2 ** 15): the
-    row enters the fp16 MMA times ``down`` (every bf16 value in it exact from 2 ** -30 of that largest on) and the
-    accumulator gets ``up`` back.  Zero rows (and masked ones) stay in range; the exponents are clamped to +-112."""
-    row_max = tl.load(row_max_ptr + offs_m, mask=mask_m, other=1.0).to(tl.float32)
-    shift = ((row_max.to(tl.int32, bitcast=True) >> 23) & 0xFF) - (127 + 14)
-    shift = tl.minimum(tl.maximum(shift, -112), 112)
-    return ((127 - shift) << 23).to(tl.float32, bitcast=True), ((127 + shift) << 23).to(tl.float32, bitcast=True)
+    """Per row, powers of two ``(down, up)`` (``fp16_shift``) from the row's largest magnitude: the row enters the
+    fp16 MMA times ``down`` and the accumulator gets ``up`` back.  Masked rows stay in range."""
+    return fp16_shift(tl.load(row_max_ptr + offs_m, mask=mask_m, other=1.0).to(tl.float32))
 
 
 @triton.jit

@@ -10,6 +10,7 @@ score, then lower block id" is one integer comparison.
 import triton
 import triton.language as tl
 
+from m3stack.engine.fp16_range import fp16_shift
 from m3stack.engine.msa.store import store_token
 
 # Below every packed key, real or empty (the merges' ``FLOOR`` constexpr).
@@ -151,6 +152,16 @@ def _row_pages(page_row, first, block_hi, page_of_row, PAGES: tl.constexpr, B: t
 
 
 @triton.jit
+def _fp16_columns(q):
+    """The queries ``q`` ``[D, N]`` (bf16) in fp16, each column times a power of two from its largest magnitude
+    (``fp16_shift``).  A column's scores come out times its power of two, which changes no ranking: each column
+    ranks its own blocks only, with the same factor in every split."""
+    q = q.to(tl.float32)
+    down, _ = fp16_shift(tl.max(tl.abs(q), axis=0))
+    return (q * down[None, :]).to(tl.float16)
+
+
+@triton.jit
 def _scan_pages(
     q, key_ptr, key_scale_ptr, page_row, block_lo, block_hi, column_limit, stride_kp, stride_kb, stride_ksp,
     N: tl.constexpr, D: tl.constexpr, B: tl.constexpr, KP: tl.constexpr, PAGES: tl.constexpr,
@@ -161,6 +172,12 @@ def _scan_pages(
     ``KEY_SCALED``: each stored key is ``key / scale`` with a float32 scale per token (fp8 k-index), whose score
     is scaled back before the block max."""
     dims = tl.arange(0, D)
+    # An fp8 k-index against bf16 queries multiplies in fp16: e4m3 widens to fp16 in one instruction a pair, where
+    # bf16 needs a second conversion after it, and the queries (fp16 once a column, a power of two from their
+    # largest magnitude: _fp16_columns) lose nothing a bf16 product kept.
+    FP16_SCAN: tl.constexpr = key_ptr.dtype.element_ty == tl.float8e4nv and q.dtype == tl.bfloat16
+    if FP16_SCAN:
+        q = _fp16_columns(q)
     # PAGES pages per iteration: row i of the [PAGES * B, D] key tile is key i % B of page i // B.
     rows = tl.arange(0, PAGES * B)
     row_in_page = rows % B

@@ -32,8 +32,10 @@ DecodeAttentionKernel = Literal["triton", "flashinfer"]
 @dataclass(frozen=True)
 class DecodeTuning:
     scan: ScanConfig = field(default_factory=ScanConfig)
-    # The scan over an fp8 k-index: its keys are widened through fp16 in registers, which at 3 stages takes 220
-    # registers a thread (2 programs per SM, so 3 per SM run in two waves) and at 2 stages 158 (3 per SM).
+    # The scan over an fp8 k-index: its keys are widened to fp16 in registers.  Chosen when they went on to bf16
+    # (3 stages took 220 registers a thread on the H200: 2 programs per SM, so 3 per SM ran in two waves; 2 stages
+    # 158, 3 per SM).  Since the scan multiplies them in fp16 against bf16 queries, Triton 3.6 compiles 2 and 3
+    # stages alike at 163-164 registers, 3 per SM (bench.sm90_compile --kernels scan); not re-timed yet.
     fp8_scan: ScanConfig = field(default_factory=lambda: ScanConfig(num_stages=2))
     scan_programs_per_sm: int = SCAN_PROGRAMS_PER_SM
     # Warps of the merge's own launch when a decode batch has one request; None: as ``scan`` / ``fp8_scan`` say.

@@ -205,6 +205,25 @@ def test_scaled_fp8_index_keys_select_what_the_reference_selects_from_the_dequan
                             FP8_SCORE_TOLERANCE)  # fmt: skip
 
 
+def test_an_fp8_k_index_scored_by_bf16_queries_selects_alike_at_any_query_magnitude() -> None:
+    """bf16 queries over the fp8 k-index multiply in fp16, each query column shifted by a power of two from its
+    largest magnitude: the selection matches the reference's from the same bf16 queries, and queries scaled by
+    2 ** 40, 2 ** 20 or 2 ** -20 (past fp16's range either way) select exactly the same blocks."""
+    batch, index_q = make_batch(torch.float32, seed=41)
+    batch = with_fp8_index(batch)
+    index_q = index_q.to(torch.bfloat16)
+    check_against_reference(batch, index_q, shape_for(topk=4, local_blocks=1), 2, tolerance=FP8_SCORE_TOLERANCE)
+    plan = plan_sparse_decode(batch.metadata, shape_for(topk=4, local_blocks=1), torch.device("cpu"), scan_splits=2)
+
+    def selection(queries: torch.Tensor) -> torch.Tensor:
+        return decode_index_topk(queries, batch.index_key_cache, batch.metadata, plan,
+                                 index_key_scale=batch.index_key_scale).clone()  # fmt: skip
+
+    unscaled = selection(index_q)
+    for exponent in (40, 20, -20):
+        assert torch.equal(selection(index_q * 2.0**exponent), unscaled), exponent
+
+
 @pytest.mark.parametrize("shared_pages", [False, True], ids=["per-request-scan", "shared-page-scan"])
 def test_the_scan_stores_new_index_keys_into_an_fp8_k_index_as_the_store_does(shared_pages: bool) -> None:
     """The scan's fused store quantizes each new index key with its own scale, byte for byte as ``store_kv``."""
