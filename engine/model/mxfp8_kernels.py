@@ -12,15 +12,16 @@ multiply the float32 accumulator (``BLOCK_M x BLOCK_N`` multiplies a sub-tile in
 Widening to bf16 costs three conversions an element, which bounded the kernel under HBM's rate (M3's experts at
 64 tokens on the H200: 1,810 us against 1,930 for gate|up, bench/results/mxfp8_moe_runs.json's sweep).  bf16
 activations enter fp16 times a power of two per row that brings the row's largest magnitude (``row_abs_max``, one
-launch before the kernel) into [2 ** 14, 2 ** 15): exact for every value within 2 ** -30 of it, and fp16's range
-never overflows.
+launch before the kernel) into [2 ** 14, 2 ** 15) (``engine.fp16_range``): exact for every value within 2 ** -30
+of it, and fp16's range never overflows.  ``swap_ab`` tiles (an option) multiply out.T = W x.T instead, the
+weight tile on the MMA's M side, which Hopper's warpgroup MMAs need.
 
 Steps of a few rows run ``_mxfp8_gemv_kernel`` instead: one row a program on CUDA cores (FP8 -> float32, float32
-products summed a 32-input block at a time, times the block's scale), each weight row read as 512 contiguous bytes a
-step.  A 16-row MMA tile over one row does 1/16th useful work and reads 128 bytes of a weight row at a time; the
-GEMV streamed M3's experts at 3.2 TB/s on the H200 where those tiles reached 2.0.
+products summed a 32-input block at a time, times the block's scale), each weight row read as 256 (experts) or 512
+(dense) contiguous bytes a step.  A 16-row MMA tile over one row does 1/16th useful work and reads 128 bytes of a
+weight row at a time; the GEMV streamed M3's experts at 3.2 TB/s on the H200 where those tiles reached 2.0.
 
-One kernel serves both: a dense linear is one group of ``rows`` rows; the grouped GEMM takes the expert-sorted
+Each kernel serves both: a dense linear is one group of ``rows`` rows; the grouped GEMM takes the expert-sorted
 rows of ``moe.MoE._grouped`` with each group's end row (``ends``, on the device: no host sync, so decode steps
 can be CUDA-graphed).  The grid has ``cdiv(rows, BLOCK_M) + min(groups, rows)`` row blocks, a bound on the
 blocks the groups need whatever the routing (each non-empty group adds at most one partial block); each program
