@@ -143,6 +143,10 @@ def summarize(report: dict[str, Any]) -> list[dict[str, Any]]:
                 "completed": totals["successful"],
                 "errored": totals["errored"],
                 "incomplete": totals["incomplete"],
+                # Requests guidellm still held open when its max-requests constraint ended the benchmark: sent and
+                # (the gateway's access log shows) answered, but recorded nowhere in its report.  guidellm 0.8 can
+                # stop with one open when two responses finish in the same millisecond.
+                "open_at_stop": benchmark["scheduler_state"]["processing_requests"],
                 "with_image": _successful_count(metrics["image"]["pixels"]["input"]),
                 "with_video": _successful_count(metrics["video"]["bytes"]["input"]),
                 "output_tokens": metrics["output_token_count"]["successful"]["total_sum"],
