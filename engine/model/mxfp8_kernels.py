@@ -269,8 +269,8 @@ def _mxfp8_gemv_kernel(
 ):  # fmt: skip
     """Row ``program_id(0)`` times ``BLOCK_N`` weight rows of its group over ``k_per_split`` inputs (axis 2), on
     CUDA cores: FP8 widened to float32, multiplied by the row in float32, summed a 32-input block at a time and
-    times the block's scale.  Each weight row is read as ``BLOCK_K`` contiguous bytes a step (a warp's loads cover
-    whole 512-byte runs), where the MMA tiles read 128 a row; a 16-row MMA over one row is 1/16th useful."""
+    times the block's scale.  Each weight row is read as ``BLOCK_K`` contiguous bytes a step (256 or 512), where
+    the MMA tiles read 128 a row; a 16-row MMA over one row is 1/16th useful."""
     row = tl.program_id(0)
     pid_n = tl.program_id(1)
     pid_k = tl.program_id(2)
