@@ -93,6 +93,11 @@ def graphed(fn: Callable[[], Any]) -> Callable[[], None]:
     return graph.replay
 
 
+def int_list(text: str) -> list[int]:
+    """A comma-separated command-line list of integers ("1,8,64"): the benchmarks' sizes (an argparse ``type``)."""
+    return [int(value) for value in text.split(",")]
+
+
 def cuda_time_us(fn: Callable[[], Any], warmup_ms: float = 25, rep_ms: float = 100) -> float:
     """Median time of ``fn`` on the GPU in microseconds (triton.testing.do_bench, CUDA events)."""
     from triton.testing import do_bench

@@ -29,7 +29,7 @@ from typing import Any
 
 import numpy as np
 
-from bench.common import markdown_table, write_results
+from bench.common import int_list, markdown_table, write_results
 
 logger = logging.getLogger("bench.guidellm_load")
 
@@ -228,11 +228,11 @@ def trimmed(value: Any) -> Any:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--requests", type=int, default=64, help="requests per concurrency")
-    parser.add_argument("--streams", default="1,8,32,64", help="concurrencies, comma-separated")
+    parser.add_argument("--streams", type=int_list, default=[1, 8, 32, 64], help="concurrencies, comma-separated")
     parser.add_argument("--out", type=Path, default=None, help="results folder (default: bench/results)")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    streams = [int(value) for value in args.streams.split(",")]
+    streams = args.streams
     with tempfile.TemporaryDirectory(prefix="guidellm-") as tmp:
         rows, extra = run(streams, args.requests, Path(tmp), Path(tmp) / "logs")
     columns = [

@@ -54,7 +54,7 @@ from typing import Any
 import torch
 
 from bench import msa_peer
-from bench.common import markdown_table, write_results
+from bench.common import int_list, markdown_table, write_results
 from m3stack.engine.attention.gpu import GpuAttentionBackend
 from m3stack.engine.kv_cache.metadata import AttentionMetadata
 from m3stack.engine.kv_cache.tensors import KVCacheSpec, LayerKVCache, allocate_kv_cache, fp8_index_from
@@ -651,8 +651,8 @@ def tuned_layer(case: Case, results: list[dict[str, Any]], use_flashinfer: bool,
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=None, help="results folder (default bench/results)")
-    parser.add_argument("--contexts", default=",".join(map(str, CONTEXTS)))
-    parser.add_argument("--batches", default=",".join(map(str, BATCHES)))
+    parser.add_argument("--contexts", type=int_list, default=CONTEXTS)
+    parser.add_argument("--batches", type=int_list, default=BATCHES)
     parser.add_argument("--no-sweep", action="store_true")
     parser.add_argument("--no-peer", action="store_true", help="skip the reference stack's kernels (bench.msa_peer)")
     parser.add_argument("--sweep-cases", default=",".join(f"{c}x{b}" for c, b in SWEEP_CASES),
@@ -683,9 +683,7 @@ def main() -> int:
     extra["flashinfer"] = use_flashinfer
     peer = None if args.no_peer else msa_peer.load_peer()
     extra["peer"] = peer.describe() if peer is not None else None
-    contexts = [int(c) for c in args.contexts.split(",")]
-    batches = [int(b) for b in args.batches.split(",")]
-    wanted = [(c, b) for c in contexts for b in batches]
+    wanted = [(c, b) for c in args.contexts for b in args.batches]
     sweep_cases = [tuple(int(n) for n in case.split("x")) for case in args.sweep_cases.split(",") if case]
     swept = [] if args.no_sweep else [cb for cb in sweep_cases if cb in wanted]
     # The swept cases first (row, sweep, tuned row while their caches exist), then the other rows.

@@ -35,7 +35,7 @@ import torch
 import triton
 
 from bench import msa_peer
-from bench.common import cuda_time_us, markdown_table, write_results
+from bench.common import cuda_time_us, int_list, markdown_table, write_results
 from m3stack.engine.kv_cache.metadata import AttentionMetadata
 from m3stack.engine.kv_cache.tensors import fp8_index_from
 from m3stack.engine.msa import prefill_block_major, prefill_csr, prefill_index, prefill_query_major, reference
@@ -433,7 +433,7 @@ def finish_row(row: dict[str, Any], dense_reference: tuple[int, float] | None) -
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=None, help="folder for msa_prefill.json (default bench/results)")
-    parser.add_argument("--contexts", default="8192,32768,131072,262144,1048576")
+    parser.add_argument("--contexts", type=int_list, default=[8192, 32768, 131072, 262144, 1048576])
     parser.add_argument("--budget-s", type=float, default=370.0, help="skip contexts once this much time has passed")
     parser.add_argument("--no-sweep", action="store_true", help="use the default launch configs")
     parser.add_argument(
@@ -452,7 +452,7 @@ def main() -> int:
     if not torch.cuda.is_available():
         raise SystemExit("bench.msa_prefill needs a CUDA GPU")
     started = time.monotonic()
-    contexts = [int(c) for c in args.contexts.split(",")]
+    contexts = args.contexts
     rows: list[dict[str, Any]] = []
     extra: dict[str, Any] = {"dims": dict(Hq=Q_HEADS, Hkv=KV_HEADS, D=HEAD_DIM, d=INDEX_DIM, B=BLOCK, K=TOPK)}
     peer = None if args.no_peer else msa_peer.load_peer()

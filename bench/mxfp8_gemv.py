@@ -24,7 +24,7 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
-from bench.common import cuda_time_us, graphed, markdown_table, write_results
+from bench.common import cuda_time_us, graphed, int_list, markdown_table, write_results
 from bench.mxfp8_linears import LINEARS
 from m3stack.engine.model import mxfp8, mxfp8_kernels
 from m3stack.engine.model.moe import grouped_mm
@@ -164,18 +164,16 @@ def main() -> int:
     parser.add_argument("--parts", default="experts,dense", help="which cases: experts, dense or both")
     parser.add_argument("--experts", type=int, default=EXPERTS, help="experts of the grouped cases")
     parser.add_argument("--top-k", type=int, default=TOP_K, help="experts a token routes to")
-    parser.add_argument("--tokens", default=",".join(map(str, GROUPED_TOKENS)), help="tokens of the grouped cases")
+    parser.add_argument("--tokens", type=int_list, default=GROUPED_TOKENS, help="tokens of the grouped cases")
     parser.add_argument("--splits", action="store_true", help="also the dense MMA tiles at fixed K splits")
-    parser.add_argument("--dense-rows", default=",".join(map(str, DENSE_ROWS)), help="rows of the dense cases")
+    parser.add_argument("--dense-rows", type=int_list, default=DENSE_ROWS, help="rows of the dense cases")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     budget_end = time.monotonic() + args.budget_s
     parts = set(args.parts.split(","))
-    token_counts = [int(count) for count in args.tokens.split(",")]
-    rows = grouped_rows(args.experts, args.top_k, token_counts, budget_end) if "experts" in parts else []
+    rows = grouped_rows(args.experts, args.top_k, args.tokens, budget_end) if "experts" in parts else []
     torch.cuda.empty_cache()
-    counts = [int(count) for count in args.dense_rows.split(",")]
-    rows += dense_rows(counts, args.splits, budget_end) if "dense" in parts else []
+    rows += dense_rows(args.dense_rows, args.splits, budget_end) if "dense" in parts else []
     write_results("mxfp8_gemv", rows, {"configurations": [short(tiles) for tiles in GEMVS]}, args.out)
     sys.stdout.write(markdown_table(rows, COLUMNS) + "\n")
     return 0

@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from bench.common import cuda_time_us, graphed, markdown_table, write_results
+from bench.common import cuda_time_us, graphed, int_list, markdown_table, write_results
 from m3stack.engine.model import mxfp8, mxfp8_kernels
 
 logger = logging.getLogger("bench.mxfp8_linears")
@@ -71,11 +71,10 @@ def measure(name: str, n: int, k: int, rows_list: list[int]) -> list[dict[str, A
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=None, help="folder for mxfp8_linears.json (default bench/results)")
-    parser.add_argument("--rows", default="1,4,16", help="rows a step (decode tokens)")
+    parser.add_argument("--rows", type=int_list, default=[1, 4, 16], help="rows a step (decode tokens)")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
-    rows_list = [int(value) for value in args.rows.split(",")]
-    rows = [row for name, (n, k) in LINEARS.items() for row in measure(name, n, k, rows_list)]
+    rows = [row for name, (n, k) in LINEARS.items() for row in measure(name, n, k, args.rows)]
     write_results("mxfp8_linears", rows, {"copy_ceiling_tbps": COPY_CEILING_TBPS}, args.out)
     sys.stdout.write(markdown_table(rows, COLUMNS) + "\n")
     return 0

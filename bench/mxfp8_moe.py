@@ -34,7 +34,7 @@ from typing import Any
 
 import torch
 
-from bench.common import M3_MOE, cuda_time_us, graphed, markdown_table, write_results
+from bench.common import M3_MOE, cuda_time_us, graphed, int_list, markdown_table, write_results
 from m3stack.engine.distributed.layers import ShardedMoE
 from m3stack.engine.model import mxfp8, mxfp8_kernels
 from m3stack.engine.model.config import TextConfig, parse_config
@@ -260,17 +260,13 @@ def _short(tiles: Tiles) -> str:
             f"widen{tiles.widen}")  # fmt: skip
 
 
-def _sizes(text: str) -> list[int]:
-    return [int(size) for size in text.split(",")]
-
-
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=None, help="folder for mxfp8_moe.json (default bench/results)")
     parser.add_argument("--sweep", action="store_true", help="also time the grouped GEMM's launch configurations")
     parser.add_argument("--budget-s", type=float, default=240.0, help="time no new size (or sweep case) past this")
-    parser.add_argument("--tokens", type=_sizes, default=DECODE_TOKENS + PREFILL_TOKENS, help="whole layer's steps")
-    parser.add_argument("--rank-tokens", type=_sizes, default=RANK_TOKENS, help="the EP rank's steps")
+    parser.add_argument("--tokens", type=int_list, default=DECODE_TOKENS + PREFILL_TOKENS, help="whole layer's steps")
+    parser.add_argument("--rank-tokens", type=int_list, default=RANK_TOKENS, help="the EP rank's steps")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     budget_end = time.monotonic() + args.budget_s
