@@ -14,6 +14,7 @@ and each output checked against the bf16 one (``*_err``, relative).  ``best`` na
 
 import argparse
 import logging
+import re
 import sys
 import time
 from collections.abc import Callable
@@ -64,9 +65,33 @@ COLUMNS = ["case", "bf16_us", "default", "default_us", "best", "best_us", "bf16_
 
 
 def short(tiles: Tiles) -> str:
+    """A configuration's name in the tables; ``parse_tiles`` reads it back."""
     kind = "gemv" if tiles.gemv else f"mma{tiles.widen}" + (" swap_ab" if tiles.swap_ab else "")
     split = f" split{tiles.split_k}" if tiles.split_k else ""
     return f"{kind} {tiles.block_m}x{tiles.block_n}x{tiles.block_k} w{tiles.num_warps} s{tiles.num_stages}{split}"
+
+
+_SHORT_NAME = re.compile(
+    r"(?:gemv|mma(?P<widen>\d))(?P<swap> swap_ab)? (?P<m>\d+)x(?P<n>\d+)x(?P<k>\d+) w(?P<warps>\d+) s(?P<stages>\d+)"
+    r"(?: split(?P<split>\d+))?"
+)
+
+
+def parse_tiles(name: str) -> Tiles:
+    """The configuration ``short`` names ``name`` (a ``best`` column's value fed back through ``--tiles``)."""
+    found = _SHORT_NAME.fullmatch(name.strip())
+    if found is None:
+        raise argparse.ArgumentTypeError(f"{name!r} is not a configuration name like 'mma0 swap_ab 32x128x128 w4 s4'")
+    sizes = (int(found[key]) for key in ("m", "n", "k", "warps", "stages"))
+    tiles = Tiles(*sizes, split_k=int(found["split"] or 0), widen=int(found["widen"] or 0), swap_ab=bool(found["swap"]))
+    if tiles.gemv != name.strip().startswith("gemv"):
+        raise argparse.ArgumentTypeError(f"{name!r}: the GEMV is the 1-row configuration and only it")
+    return tiles
+
+
+def tiles_list(text: str) -> list[Tiles]:
+    """argparse type: comma-separated configuration names."""
+    return [parse_tiles(name) for name in text.split(",") if name.strip()]
 
 
 def random_mxfp8(*shape: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -111,7 +136,9 @@ def case_row(
     return row
 
 
-def grouped_rows(experts: int, top_k: int, token_counts: list[int], budget_end: float) -> list[dict[str, Any]]:
+def grouped_rows(
+    experts: int, top_k: int, token_counts: list[int], configurations: list[Tiles] | None, budget_end: float
+) -> list[dict[str, Any]]:
     rows = []
     mats = {"gate|up": stacked(experts, 2 * INTER, HIDDEN), "down": stacked(experts, HIDDEN, INTER)}
     cases = [(tokens, name) for tokens in token_counts for name in mats]
@@ -128,14 +155,16 @@ def grouped_rows(experts: int, top_k: int, token_counts: list[int], budget_end: 
                 lambda: grouped_mm(x, dense.transpose(1, 2), ends),  # noqa: B023
                 lambda tiles: mxfp8_kernels.mxfp8_grouped_mm(x, values, scales, ends, tiles),  # noqa: B023
                 mxfp8_kernels.choose_tiles(x.shape[0], experts),
-                GROUPED_MMAS + (GEMVS if tokens <= GEMV_UP_TO_TOKENS else []),
+                configurations or GROUPED_MMAS + (GEMVS if tokens <= GEMV_UP_TO_TOKENS else []),
                 budget_end,
             )
         )
     return rows
 
 
-def dense_rows(counts: list[int], splits: bool, budget_end: float) -> list[dict[str, Any]]:
+def dense_rows(
+    counts: list[int], splits: bool, configurations: list[Tiles] | None, budget_end: float
+) -> list[dict[str, Any]]:
     rows = []
     for name, (n, k) in tqdm(LINEARS.items(), desc="dense"):
         values, row_major, dense = random_mxfp8(n, k)
@@ -148,7 +177,8 @@ def dense_rows(counts: list[int], splits: bool, budget_end: float) -> list[dict[
                     lambda: torch.nn.functional.linear(x, dense),  # noqa: B023
                     lambda tiles: mxfp8_kernels.mxfp8_linear(x, values, scales, tiles),  # noqa: B023
                     mxfp8_kernels.choose_tiles(count, 1),
-                    DENSE_MMAS
+                    configurations
+                    or DENSE_MMAS
                     + (GEMVS if count <= GEMV_UP_TO_ROWS else [])
                     + (DENSE_SPLITS if splits and count >= 16 else []),
                     budget_end,
@@ -167,13 +197,20 @@ def main() -> int:
     parser.add_argument("--tokens", type=int_list, default=GROUPED_TOKENS, help="tokens of the grouped cases")
     parser.add_argument("--splits", action="store_true", help="also the dense MMA tiles at fixed K splits")
     parser.add_argument("--dense-rows", type=int_list, default=DENSE_ROWS, help="rows of the dense cases")
+    parser.add_argument(
+        "--tiles",
+        type=tiles_list,
+        default=None,
+        help="time these configurations (names as the tables print them) "
+        "beside the default plan instead of the built-in candidates; e.g. 'mma0 swap_ab 32x128x128 w4 s4,...'",
+    )
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     budget_end = time.monotonic() + args.budget_s
     parts = set(args.parts.split(","))
-    rows = grouped_rows(args.experts, args.top_k, args.tokens, budget_end) if "experts" in parts else []
+    rows = grouped_rows(args.experts, args.top_k, args.tokens, args.tiles, budget_end) if "experts" in parts else []
     torch.cuda.empty_cache()
-    rows += dense_rows(args.dense_rows, args.splits, budget_end) if "dense" in parts else []
+    rows += dense_rows(args.dense_rows, args.splits, args.tiles, budget_end) if "dense" in parts else []
     write_results("mxfp8_gemv", rows, {"configurations": [short(tiles) for tiles in GEMVS]}, args.out)
     sys.stdout.write(markdown_table(rows, COLUMNS) + "\n")
     return 0
