@@ -22,10 +22,12 @@ from m3stack.engine.model.params import empty_parameter
 
 @dataclass(frozen=True)
 class Finish:
-    """What the layer does after the routed sum: ``(routed * scale).to(shared.dtype) + shared``."""
+    """What the layer does after the routed sum: ``(routed * scale).to(shared.dtype) + shared``.  ``ready``: where
+    ``shared`` comes from a side stream, its event there, which the combine waits for."""
 
     scale: float
     shared: torch.Tensor
+    ready: torch.cuda.Event | None = None
 
     def apply(self, routed: torch.Tensor) -> torch.Tensor:
         return (routed * self.scale).to(self.shared.dtype) + self.shared
@@ -71,9 +73,23 @@ class MoE(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``(routed * routed_scaling_factor).to(x.dtype) + shared``, finished by the combine (one kernel on CUDA
         instead of three launches after it)."""
-        shared = self.shared_expert(x)
+        finish = self._shared_expert_beside(x)
         expert_ids, weights = self.router(x)
-        return self._experts(x, expert_ids, weights, Finish(self.routed_scaling_factor, shared))
+        return self._experts(x, expert_ids, weights, finish)
+
+    def _shared_expert_beside(self, x: torch.Tensor) -> Finish:
+        """The shared expert's output; on CUDA computed on a side stream while the router and the routed experts
+        run on the current one (a CUDA graph captures both branches).  At decode sizes its few-row GEMMs leave
+        most SMs idle, which the routed experts' launches fill."""
+        if not x.is_cuda:
+            return Finish(self.routed_scaling_factor, self.shared_expert(x))
+        current, side = torch.cuda.current_stream(x.device), _side_stream(x.device)
+        side.wait_stream(current)  # x is written
+        with torch.cuda.stream(side):
+            shared = self.shared_expert(x)
+            ready = side.record_event()
+        shared.record_stream(current)  # its memory is reused only after the combine on the current stream
+        return Finish(self.routed_scaling_factor, shared, ready)
 
     def _experts(
         self, x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor, finish: Finish | None = None
@@ -179,6 +195,16 @@ class MoE(nn.Module):
         return use_grouped_mm(x)
 
 
+_SIDE_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
+
+
+def _side_stream(device: torch.device) -> torch.cuda.Stream:
+    """One side stream a device for every MoE layer's shared expert (the layers run one after another)."""
+    if device not in _SIDE_STREAMS:
+        _SIDE_STREAMS[device] = torch.cuda.Stream(device)
+    return _SIDE_STREAMS[device]
+
+
 class Dispatched(NamedTuple):
     """The flat token-expert pairs (pair ``p``: token ``p // k``, slot ``p % k``) sorted by expert id, stably."""
 
@@ -226,6 +252,8 @@ def combine_expert_rows(
     if rows.is_cuda:
         if finish is None:
             return fused.combine_expert_rows(rows, position, weights, owned)
+        if finish.ready is not None:
+            torch.cuda.current_stream(rows.device).wait_event(finish.ready)
         return fused.combine_expert_rows(rows, position, weights, owned, finish.scale, finish.shared)
     routed = combine_expert_rows_eager(rows, position, weights, owned)
     return routed if finish is None else finish.apply(routed)

@@ -132,3 +132,24 @@ def test_moe_layer_equals_its_eager_ops(m3_moe: moe.MoE, num_tokens: int) -> Non
         graph.replay()
     assert differing(out, expected) < 1e-3
     assert torch.equal(captured, out)
+
+
+def test_moe_layer_waits_for_its_shared_expert_on_the_side_stream(m3_moe: moe.MoE, monkeypatch) -> None:
+    """The shared expert runs on a side stream beside the routed experts; held back there for ~25 ms, the layer's
+    output is still the same: the combine waits for it."""
+    x = random(64, 6144, seed=15, scale=1.0)
+    main = torch.cuda.current_stream()
+    streams = []
+    original = m3_moe.shared_expert.forward
+
+    def slow_shared_expert(inputs: torch.Tensor) -> torch.Tensor:
+        streams.append(torch.cuda.current_stream())
+        torch.cuda._sleep(50_000_000)  # GPU clock cycles, on the stream it runs on
+        return original(inputs)
+
+    with torch.inference_mode():
+        expected = m3_moe(x)
+        monkeypatch.setattr(m3_moe.shared_expert, "forward", slow_shared_expert)
+        out = m3_moe(x)
+    assert streams and streams[0] != main
+    assert torch.equal(out, expected)
