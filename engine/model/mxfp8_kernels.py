@@ -89,7 +89,7 @@ class Tiles:
 # than the widening (1.7x slower at 512 tokens a step).
 DECODE_TILES = Tiles(block_m=16, block_n=64, block_k=128, num_warps=4, num_stages=4, widen=3)
 DENSE_DECODE_TILES = replace(DECODE_TILES, widen=0)
-MEDIUM_TILES = Tiles(block_m=64, block_n=128, block_k=128, num_warps=4, num_stages=3)
+MEDIUM_TILES = Tiles(block_m=64, block_n=128, block_k=64, num_warps=4, num_stages=4)
 PREFILL_TILES = Tiles(block_m=128, block_n=128, block_k=64, num_warps=8, num_stages=4)
 # One row a program on CUDA cores, for steps of a few rows; up to where it stops beating the MMA tiles on the H200
 # (python -m bench.mxfp8_gemv, bench/README.md "MXFP8 GEMV"): each row's program widens the weights again, so its
@@ -118,12 +118,37 @@ def _widen(w, s, DTYPE: tl.constexpr, WIDEN: tl.constexpr):
     ``WIDEN`` 0: through float32 (a byte of 0, 2 ** -127, reads as 0: no writer uses it); 1: e4m3 -> ``DTYPE``
     and the power of two built as ``DTYPE`` bits (bf16 only); 2: as 1 through fp16 (Triton converts e4m3 to fp16
     in one instruction per pair)."""
+    return _widen_by(w, _block_factors(s, DTYPE, WIDEN), DTYPE, WIDEN)
+
+
+@triton.jit
+def _block_factors(s, DTYPE: tl.constexpr, WIDEN: tl.constexpr):
+    """The powers of two ``2 ** (s - 127)`` of E8M0 bytes ``s``, in the type ``_widen_by`` multiplies in."""
     if WIDEN == 0:
-        return (w.to(tl.float32) * (s.to(tl.int32) << 23).to(tl.float32, bitcast=True)).to(DTYPE)
-    elif WIDEN == 1:
-        return w.to(DTYPE) * (s.to(tl.int16) << 7).to(DTYPE, bitcast=True)
+        return (s.to(tl.int32) << 23).to(tl.float32, bitcast=True)
     else:
-        return w.to(tl.float16).to(DTYPE) * (s.to(tl.int16) << 7).to(DTYPE, bitcast=True)
+        return (s.to(tl.int16) << 7).to(DTYPE, bitcast=True)
+
+
+@triton.jit
+def _widen_by(w, factors, DTYPE: tl.constexpr, WIDEN: tl.constexpr):
+    """``_widen`` with the blocks' powers of two already built (``_block_factors``, broadcast over ``w``)."""
+    if WIDEN == 0:
+        return (w.to(tl.float32) * factors).to(DTYPE)
+    elif WIDEN == 1:
+        return w.to(DTYPE) * factors
+    else:
+        return w.to(tl.float16).to(DTYPE) * factors
+
+
+@triton.jit
+def _widen_tile(w, s, DTYPE: tl.constexpr, WIDEN: tl.constexpr):
+    """A whole ``[BLOCK_K, BLOCK_N]`` FP8 tile ``w`` widened by its blocks' scales ``s`` ``[BLOCK_K / 32,
+    BLOCK_N]``: each block's powers of two built once, then repeated over its 32 inputs."""
+    blocks: tl.constexpr = s.shape[0]
+    factors = _block_factors(s, DTYPE, WIDEN)
+    factors = tl.reshape(tl.broadcast_to(factors[:, None, :], (blocks, 32, s.shape[1])), (blocks * 32, s.shape[1]))
+    return _widen_by(w, factors, DTYPE, WIDEN)
 
 
 @triton.jit
@@ -206,28 +231,27 @@ def _mxfp8_matmul_kernel(
     row_up = tl.full((BLOCK_M,), 1.0, tl.float32)
     if ROW_SCALED:
         row_down, row_up = _row_shifts(row_max_ptr, offs_m, mask_m)
+    # The widening tiles read whole K tiles: [BLOCK_M, BLOCK_K] rows, [BLOCK_K, BLOCK_N] weights and their
+    # [BLOCK_K / 32, BLOCK_N] scales (block-major: each block's row contiguous), one MMA a tile.
+    offs_kt = k_start + tl.arange(0, BLOCK_K)
+    offs_bt = k_start // 32 + tl.arange(0, BLOCK_K // 32)
     for kk in range(0, k_per_split, BLOCK_K):
-        for j in tl.static_range(BLOCK_K // 32):
-            in_k = offs_k + (kk + j * 32)
-            block = (k_start + kk + j * 32) // 32
-            if not EVEN_K:  # a sub-tile past k reads the last block's scales: its weights are masked to 0
-                block = tl.minimum(block, k // 32 - 1)
-            scale_ptrs = s_cols + block * stride_sk
-            if EVEN_K:
-                x = tl.load(x_rows + in_k[None, :], mask=mask_m[:, None], other=0.0)
-                w = tl.load(w_cols + in_k[:, None], mask=mask_n[None, :], other=0.0)
-                s = tl.load(scale_ptrs, mask=mask_n[None, :], other=0)
-            else:
-                live = in_k < k_stop
-                x = tl.load(x_rows + in_k[None, :], mask=mask_m[:, None] & live[None, :], other=0.0)
-                w = tl.load(w_cols + in_k[:, None], mask=live[:, None] & mask_n[None, :], other=0.0)
-                s = tl.load(scale_ptrs, mask=mask_n[None, :], other=0)
-            if WIDEN == 3:
+        if WIDEN == 3:
+            for j in tl.static_range(BLOCK_K // 32):
+                in_k = offs_k + (kk + j * 32)
+                block = (k_start + kk + j * 32) // 32
+                if not EVEN_K:  # a sub-tile past k reads the last block's scales: its weights are masked to 0
+                    block = tl.minimum(block, k // 32 - 1)
+                x, w, s = _load_k_tile(x_rows, w_cols, s_cols + block * stride_sk, in_k, k_stop, mask_m, mask_n, EVEN_K)
                 acc = _fp16_product(x, w, s, acc, row_down, ROW_SCALED, SWAP_AB)
-            elif SWAP_AB:
-                acc = tl.dot(tl.trans(_widen(w, s, x_ptr.dtype.element_ty, WIDEN)), tl.trans(x), acc)
-            else:
-                acc = tl.dot(x, _widen(w, s, x_ptr.dtype.element_ty, WIDEN), acc)
+        else:
+            k_blocks = offs_bt + kk // 32
+            if not EVEN_K:
+                k_blocks = tl.minimum(k_blocks, k // 32 - 1)
+            scale_ptrs = s_cols + k_blocks[:, None] * stride_sk
+            x, w, s = _load_k_tile(x_rows, w_cols, scale_ptrs, offs_kt + kk, k_stop, mask_m, mask_n, EVEN_K)
+            wide = _widen_tile(w, s, x_ptr.dtype.element_ty, WIDEN)
+            acc = tl.dot(tl.trans(wide), tl.trans(x), acc) if SWAP_AB else tl.dot(x, wide, acc)
 
     if SWAP_AB:
         acc = tl.trans(acc)
@@ -238,6 +262,21 @@ def _mxfp8_matmul_kernel(
     tile_partials = partials_ptr + offs_m[:, None].to(tl.int64) * stride_partial + offs_n[None, :]
     counter = counters_ptr + pid_m * tl.num_programs(1) + pid_n
     _store_tile(acc, out_ptrs, tile_partials, mask, counter, pid_k, stride_split, SPLIT)
+
+
+@triton.jit
+def _load_k_tile(x_rows, w_cols, scale_ptrs, in_k, k_stop, mask_m, mask_n, EVEN_K: tl.constexpr):
+    """Rows ``x`` ``[M, K']``, weights ``w`` ``[K', N]`` at inputs ``in_k`` and their blocks' scales at
+    ``scale_ptrs``; past ``k_stop`` (only where not ``EVEN_K``) rows and weights read 0 and the scales' pointers
+    stay in bounds.  Masks only where needed: a mask along K leaves the loads unvectorized."""
+    if EVEN_K:
+        x = tl.load(x_rows + in_k[None, :], mask=mask_m[:, None], other=0.0)
+        w = tl.load(w_cols + in_k[:, None], mask=mask_n[None, :], other=0.0)
+    else:
+        live = in_k < k_stop
+        x = tl.load(x_rows + in_k[None, :], mask=mask_m[:, None] & live[None, :], other=0.0)
+        w = tl.load(w_cols + in_k[:, None], mask=live[:, None] & mask_n[None, :], other=0.0)
+    return x, w, tl.load(scale_ptrs, mask=mask_n[None, :], other=0)
 
 
 @triton.jit
