@@ -52,15 +52,16 @@ GEMV_UP_TO_TOKENS, GEMV_UP_TO_ROWS = 16, 4
 # tiles multiply out.T = W x.T (the weights on the MMA's M side): the plan's tiles so, and the candidates
 # that compile for sm_90 (Triton 3.6) to warpgroup MMAs without spills at 4-8 CTAs a SM (bench.sm90_compile).
 SWAP_CANDIDATES = [Tiles(16, 64, 128, 4, 3, widen=3, swap_ab=True), Tiles(16, 64, 128, 4, 3, swap_ab=True)]
-GROUPED_MMAS = [mxfp8_kernels.DECODE_TILES, replace(mxfp8_kernels.DECODE_TILES, swap_ab=True), *SWAP_CANDIDATES]
-DENSE_MMAS = [mxfp8_kernels.DENSE_DECODE_TILES, mxfp8_kernels.DECODE_TILES, mxfp8_kernels.MEDIUM_TILES,
-              replace(mxfp8_kernels.MEDIUM_TILES, widen=3), replace(mxfp8_kernels.DENSE_DECODE_TILES, swap_ab=True),
+GROUPED_MMAS = [mxfp8_kernels.DECODE_TILES, replace(mxfp8_kernels.DECODE_TILES, widen=3),
+                replace(mxfp8_kernels.DECODE_TILES, swap_ab=True), *SWAP_CANDIDATES]  # fmt: skip
+DENSE_MMAS = [mxfp8_kernels.DECODE_TILES, replace(mxfp8_kernels.DECODE_TILES, widen=3), mxfp8_kernels.MEDIUM_TILES,
+              mxfp8_kernels.DENSE_MEDIUM_TILES, replace(mxfp8_kernels.DECODE_TILES, swap_ab=True),
               replace(mxfp8_kernels.MEDIUM_TILES, swap_ab=True), *SWAP_CANDIDATES,
               Tiles(32, 64, 128, 4, 3, swap_ab=True), Tiles(64, 64, 64, 4, 3, swap_ab=True)]  # fmt: skip
 # --splits, from 16 rows on: the MMA tiles at fixed K splits too (each split writes and reads back rows x N float32
 # partials; no split brought 64 rows within 1.6x of cuBLAS: bench/results/mxfp8_gemv_dense_splits.json)
 DENSE_SPLITS = [replace(tiles, split_k=split) for split in (1, 2, 3, 4)
-                for tiles in (mxfp8_kernels.DENSE_DECODE_TILES, mxfp8_kernels.MEDIUM_TILES)]  # fmt: skip
+                for tiles in (mxfp8_kernels.DECODE_TILES, mxfp8_kernels.DENSE_MEDIUM_TILES)]  # fmt: skip
 COLUMNS = ["case", "bf16_us", "default", "default_us", "best", "best_us", "bf16_over_default", "bf16_over_best"]
 
 

@@ -258,8 +258,9 @@ def mxfp8_builds() -> Iterator[KernelBuild]:
     )
     from bench.mxfp8_gemv import DENSE_MMAS, GROUPED_MMAS
 
-    cases = [("experts decode", kernels.DECODE_TILES, experts), ("dense decode", kernels.DENSE_DECODE_TILES, dense),
-             ("dense medium", kernels.MEDIUM_TILES, dense)]  # fmt: skip
+    cases = [("experts decode", kernels.DECODE_TILES, experts), ("dense decode", kernels.DECODE_TILES, dense),
+             ("experts medium", kernels.MEDIUM_TILES, experts), ("dense medium", kernels.DENSE_MEDIUM_TILES, dense),
+             ("experts prefill", kernels.PREFILL_TILES, experts)]  # fmt: skip
     cases = [
         (name, replace(tiles, swap_ab=swap_ab), shape) for name, tiles, shape in cases for swap_ab in (False, True)
     ]

@@ -6,15 +6,16 @@ them in registers (e4m3 -> float32, times the block's power of two, -> the activ
 scaled value is a bf16 number) and runs bf16 tensor-core MMAs with float32 accumulation.  Decode steps are bound
 by the weight bytes they read, which are half of bf16's.
 
-The grouped GEMM's decode-sized tiles (``widen`` 3) multiply in fp16 instead: e4m3 widens to fp16 in one
-instruction per pair (exact), each 32-input sub-tile's product goes through an fp16 MMA and its block scales
-multiply the float32 accumulator (``BLOCK_M x BLOCK_N`` multiplies a sub-tile instead of ``32 x BLOCK_N``).
-Widening to bf16 costs three conversions an element, which bounded the kernel under HBM's rate (M3's experts at
-64 tokens on the H200: 1,810 us against 1,930 for gate|up, bench/results/mxfp8_moe_runs.json's sweep).  bf16
-activations enter fp16 times a power of two per row that brings the row's largest magnitude (``row_abs_max``, one
-launch before the kernel) into [2 ** 14, 2 ** 15) (``engine.fp16_range``): exact for every value within 2 ** -30
-of it, and fp16's range never overflows.  ``swap_ab`` tiles (an option) multiply out.T = W x.T instead, the
-weight tile on the MMA's M side, which Hopper's warpgroup MMAs need.
+Each program reads whole K tiles (rows, weights and the blocks' scales) and widens the weight tile at once: each
+32-input block's power of two built once and repeated over its inputs, then one MMA a tile.  Widening and
+multiplying one 32-input sub-tile at a time, as built first, ran M3's experts 1.5x slower at 512 tokens a step
+and 1.14x slower at 64 (bench/README.md, "MXFP8 GEMV").  Options of ``Tiles`` that ``bench.mxfp8_gemv`` times
+beside the plan: ``widen`` 3 multiplies in fp16, e4m3 widened in one instruction per pair (exact), each 32-input
+sub-tile's product through an fp16 MMA and its block scales multiplied onto the float32 accumulator; bf16 rows
+enter fp16 times a power of two that brings the row's largest magnitude (``row_abs_max``, one launch before the
+kernel) into [2 ** 14, 2 ** 15) (``engine.fp16_range``): exact for every value within 2 ** -30 of it.  ``swap_ab``
+multiplies out.T = W x.T, the weight tile on the MMA's M side, which Hopper's warpgroup MMAs need for few rows:
+the plan's tiles for dense linears of 17-64 rows.
 
 Steps of a few rows run ``_mxfp8_gemv_kernel`` instead: one row a program on CUDA cores (FP8 -> float32, float32
 products summed a 32-input block at a time, times the block's scale), each weight row read as 256 (experts) or 512
@@ -81,14 +82,14 @@ class Tiles:
         return self.block_m == 1
 
 
-# By rows per group; compiled for sm_90 by Triton 3.6 (the H200's) with no spills and every load pipelined
-# (cp.async): decode 64 registers (6 CTAs per SM), prefill 128 (2 CTAs per SM).  Grouped decode multiplies in fp16
-# (the module's docstring); a dense linear's decode does not gain from it (its split programs are short: widening
-# through float32 ran 0-5% faster at M3's shapes and needs no row maxima launch, bench/results/mxfp8_linears.json's
-# widen0 column); medium and prefill steps are bound by math, where the per-sub-tile accumulator update costs more
-# than the widening (1.7x slower at 512 tokens a step).
-DECODE_TILES = Tiles(block_m=16, block_n=64, block_k=128, num_warps=4, num_stages=4, widen=3)
-DENSE_DECODE_TILES = replace(DECODE_TILES, widen=0)
+# By rows per group, from bench.mxfp8_gemv on the H200 (bench/README.md "MXFP8 GEMV"); each reads and widens whole
+# K tiles, one MMA a tile.  At M3's 64-token decode step the 16-row tiles ran the experts 1.96x (gate|up) and 1.99x
+# (down) torch's bf16 grouped GEMM, where fp16 MMAs with the scales on the accumulator (widen 3, an option) ran
+# 1.72x / 1.77x.  Dense linears of 17-64 rows multiply out.T = W x.T (the weights on the warpgroup MMA's M side):
+# 64 rows of q in 54 us against 75 for the 64-row tiles (cuBLAS's bf16: 37).  Compiled for sm_90 by Triton 3.6
+# without spills: decode 120 registers (4 CTAs a SM), medium 168 (3), prefill 128 (2).
+DECODE_TILES = Tiles(block_m=16, block_n=64, block_k=128, num_warps=4, num_stages=4)
+DENSE_MEDIUM_TILES = Tiles(block_m=32, block_n=64, block_k=128, num_warps=4, num_stages=3, swap_ab=True)
 MEDIUM_TILES = Tiles(block_m=64, block_n=128, block_k=64, num_warps=4, num_stages=4)
 PREFILL_TILES = Tiles(block_m=128, block_n=128, block_k=64, num_warps=8, num_stages=4)
 # One row a program on CUDA cores, for steps of a few rows; up to where it stops beating the MMA tiles on the H200
@@ -450,9 +451,9 @@ def choose_tiles(rows: int, groups: int, routed_experts: int | None = None) -> T
         return GROUPED_GEMV_TILES if groups > 1 else GEMV_TILES
     rows_per_group = rows / max(1, min(rows, groups))
     if rows_per_group <= 16:
-        return DECODE_TILES if groups > 1 else DENSE_DECODE_TILES
-    if rows_per_group <= 128:
-        return MEDIUM_TILES
+        return DECODE_TILES
+    if rows_per_group <= 64:
+        return MEDIUM_TILES if groups > 1 else DENSE_MEDIUM_TILES
     return PREFILL_TILES
 
 

@@ -23,7 +23,7 @@ from m3stack.engine.model.loader import load_model
 from m3stack.engine.model.moe import MoE, grouped_mm
 from m3stack.engine.model.mxfp8_kernels import (
     DECODE_TILES,
-    DENSE_DECODE_TILES,
+    DENSE_MEDIUM_TILES,
     GEMV_TILES,
     GROUPED_GEMV_TILES,
     MEDIUM_TILES,
@@ -39,18 +39,20 @@ from tests.engine.model.hf_oracle import token_errors
 from tests.engine.model.paged_runner import Chunk, PagedRunner, Sequence
 
 HIDDEN, INTER = 6144, 3072
-# (shape or tokens, tiles): the GEMV (decode's default up to a few rows), every MMA tile class through float32 (the
-# dense default) and decode's fp16 MMAs (the grouped decode default past the GEMV), the bf16 widenings once each.
+# (shape or tokens, tiles): the GEMV (decode's default up to a few rows), every MMA tile class of the plan (widening
+# through float32), the fp16 MMAs (an option), the bf16 widenings and swap_ab once each.
+FP16_DECODE_TILES = dataclasses.replace(DECODE_TILES, widen=3)
 DENSE_CASES = [((1, 2 * INTER, HIDDEN), GEMV_TILES), ((2, HIDDEN, INTER), GEMV_TILES),
                ((1, 2 * INTER, HIDDEN), DECODE_TILES), ((16, HIDDEN, INTER), DECODE_TILES),
-               ((300, 1024, HIDDEN), PREFILL_TILES), ((16, HIDDEN, INTER), DENSE_DECODE_TILES),
+               ((300, 1024, HIDDEN), PREFILL_TILES), ((16, HIDDEN, INTER), FP16_DECODE_TILES),
+               ((64, HIDDEN, INTER), DENSE_MEDIUM_TILES), ((37, 2 * INTER, HIDDEN), DENSE_MEDIUM_TILES),
                ((16, HIDDEN, INTER), dataclasses.replace(DECODE_TILES, widen=1)),
                ((300, 1024, HIDDEN), dataclasses.replace(PREFILL_TILES, widen=2)),
-               ((16, HIDDEN, INTER), dataclasses.replace(DENSE_DECODE_TILES, swap_ab=True)),
+               ((16, HIDDEN, INTER), dataclasses.replace(DECODE_TILES, swap_ab=True)),
                ((64, 2 * INTER, HIDDEN), dataclasses.replace(MEDIUM_TILES, swap_ab=True))]  # fmt: skip
 GROUPED_CASES = [(1, GROUPED_GEMV_TILES), (4, GROUPED_GEMV_TILES), (4, GEMV_TILES), (1, DECODE_TILES),
-                 (64, DECODE_TILES),
-                 (2048, PREFILL_TILES), (64, DENSE_DECODE_TILES),
+                 (64, DECODE_TILES), (512, MEDIUM_TILES),
+                 (2048, PREFILL_TILES), (64, FP16_DECODE_TILES),
                  (64, dataclasses.replace(DECODE_TILES, widen=1)),
                  (2048, dataclasses.replace(PREFILL_TILES, widen=2)),
                  (64, dataclasses.replace(DECODE_TILES, swap_ab=True))]  # fmt: skip
@@ -97,7 +99,7 @@ def test_grouped_kernel_is_as_accurate_as_torch_grouped_mm(tokens: int, tiles: T
     assert _error(ours[:owned], reference) <= 1.5 * _error(peer[:owned], reference) + 1e-4
 
 
-@pytest.mark.parametrize("tiles", [GEMV_TILES, DENSE_DECODE_TILES])
+@pytest.mark.parametrize("tiles", [GEMV_TILES, DECODE_TILES, DENSE_MEDIUM_TILES])
 def test_split_k_sums_in_the_last_program_bitwise_alike_eager_and_graph_replayed(tiles: Tiles) -> None:
     """M3's o projection at 1 row (K split, each tile's last program adding the partials), 200 eager launches and
     200 replays of a captured one: every output bitwise the first (a partial read before its writer finished would

@@ -213,6 +213,10 @@ def test_steps_of_a_few_rows_take_the_gemv_and_larger_ones_the_mma_tiles() -> No
     assert not mxfp8_kernels.choose_tiles(3, 1).gemv  # rounds up to 4 rows, as its padded graph batch
     assert mxfp8_kernels.choose_tiles(8, 128).gemv and mxfp8_kernels.choose_tiles(64, 128).gemv
     assert mxfp8_kernels.choose_tiles(65, 128) == mxfp8_kernels.DECODE_TILES
+    assert mxfp8_kernels.choose_tiles(16, 1) == mxfp8_kernels.DECODE_TILES
+    assert mxfp8_kernels.choose_tiles(17, 1) == mxfp8_kernels.choose_tiles(64, 1) == mxfp8_kernels.DENSE_MEDIUM_TILES
+    assert mxfp8_kernels.choose_tiles(4096, 128) == mxfp8_kernels.MEDIUM_TILES  # 32 rows an expert
+    assert mxfp8_kernels.choose_tiles(65, 1) == mxfp8_kernels.choose_tiles(16384, 128) == mxfp8_kernels.PREFILL_TILES
     # no more pairs than experts routed over: 16 experts take the GEMV up to 16 pairs; under expert parallelism
     # (16 of 128 experts on this rank, the rows every rank's pairs) it follows the 128
     assert mxfp8_kernels.choose_tiles(16, 16).gemv and not mxfp8_kernels.choose_tiles(17, 16).gemv
