@@ -1,17 +1,17 @@
-"""M3's dense linears with MXFP8 weights against cuBLAS's bf16 on the same dequantized weights, at decode sizes.
+"""M3's dense linears with MXFP8 weights against cuBLAS's bf16 on the same dequantized weights.
 
-The linears one TP=1 decode step runs outside the experts (attention's q, k|v and o projections, a dense layer's
-MLP, the shared expert), each at 1, 4 and 16 rows, CUDA-graphed as the engine runs decode: ``mxfp8_kernels``'
-plan (``default``: its tiles, K split, the row maxima launch where the tiles multiply in fp16) and the same plan
-widening through float32 (``widen0``), against ``torch.nn.functional.linear`` in bf16.  TB/s: the weight bytes
-each reads (FP8 + scales, or bf16) over its time, against the H200's 4.27 TB/s copy ceiling.  After timing, each
-output is checked against the float32 product of the dequantized weights.
+The linears one TP=1 step runs outside the experts (attention's q, k|v and o projections, a dense layer's MLP,
+the shared expert), each at 1, 4 and 16 rows by default (decode; ``--rows`` for others), CUDA-graphed as the engine
+runs decode: ``mxfp8_kernels``' plan (``mxfp8``: its tiles and K split), the weight widened into a bf16 scratch and
+cuBLAS's matmul (``dequant``), and ``torch.nn.functional.linear`` in bf16.  ``default``: the path
+``mxfp8.linear`` takes at that size (``mxfp8.DENSE_DEQUANTIZE_FROM_ROWS``).  TB/s: the weight bytes the kernel
+reads (FP8 + scales, or bf16) over its time, against the H200's 4.27 TB/s copy ceiling.  After timing, both MXFP8
+outputs are checked against the float32 product of the dequantized weights.
 
     python -m bench.mxfp8_linears [--out DIR] [--rows 1,4,16]
 """
 
 import argparse
-import dataclasses
 import logging
 import sys
 from pathlib import Path
@@ -35,8 +35,8 @@ LINEARS = {
     "shared gate|up": (6144, 6144),
     "shared down": (6144, 3072),
 }
-COLUMNS = ["linear", "rows", "split", "bf16_us", "mxfp8_us", "widen0_us", "mxfp8_over_bf16", "bf16_tbps",
-           "mxfp8_tbps", "rel_err"]  # fmt: skip
+COLUMNS = ["linear", "rows", "split", "bf16_us", "mxfp8_us", "dequant_us", "default", "mxfp8_over_bf16",
+           "default_over_bf16", "bf16_tbps", "mxfp8_tbps", "rel_err", "dequant_rel_err"]  # fmt: skip
 TIMING = {"warmup_ms": 10, "rep_ms": 50}
 
 
@@ -51,21 +51,30 @@ def measure(name: str, n: int, k: int, rows_list: list[int]) -> list[dict[str, A
     for rows in rows_list:
         x = torch.randn(rows, k, generator=generator, device="cuda").to(torch.bfloat16)
         plan = mxfp8_kernels.plan_launch(rows, n, k, None, x.device)
-        widen0 = dataclasses.replace(plan.tiles, widen=0)
-        times = {
-            "bf16": cuda_time_us(graphed(lambda: torch.nn.functional.linear(x, dense)), **TIMING),  # noqa: B023
-            "mxfp8": cuda_time_us(graphed(lambda: mxfp8_kernels.mxfp8_linear(x, values, scales)), **TIMING),  # noqa: B023
-            "widen0": cuda_time_us(graphed(lambda: mxfp8_kernels.mxfp8_linear(x, values, scales, widen0)), **TIMING),  # noqa: B023
+        paths = {
+            "bf16": lambda: torch.nn.functional.linear(x, dense),  # noqa: B023
+            "mxfp8": lambda: mxfp8_kernels.mxfp8_linear(x, values, scales),  # noqa: B023
+            "dequant": lambda: dequantized_linear(x, values, scales),  # noqa: B023
         }
+        times = {path: cuda_time_us(graphed(call), **TIMING) for path, call in paths.items()}
+        default = "dequant" if rows >= mxfp8.DENSE_DEQUANTIZE_FROM_ROWS else "mxfp8"
         reference = x.float() @ dense.float().T
-        ours = mxfp8_kernels.mxfp8_linear(x, values, scales).float()
+        errors = {path: float((paths[path]().float() - reference).norm() / reference.norm()) for path in paths}
         row = {"linear": name, "rows": rows, "split": plan.split, **{f"{key}_us": us for key, us in times.items()},
-               "mxfp8_over_bf16": times["bf16"] / times["mxfp8"], "bf16_tbps": dense.numel() * 2 / times["bf16"] / 1e6,
-               "mxfp8_tbps": fp8_bytes / times["mxfp8"] / 1e6,
-               "rel_err": float((ours - reference).norm() / reference.norm())}  # fmt: skip
+               "default": default, "mxfp8_over_bf16": times["bf16"] / times["mxfp8"],
+               "default_over_bf16": times["bf16"] / times[default],
+               "bf16_tbps": dense.numel() * 2 / times["bf16"] / 1e6,
+               "mxfp8_tbps": fp8_bytes / times["mxfp8"] / 1e6, "rel_err": errors["mxfp8"],
+               "dequant_rel_err": errors["dequant"]}  # fmt: skip
         logger.info("%s", row)
         out.append(row)
     return out
+
+
+def dequantized_linear(x: torch.Tensor, values: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """``mxfp8.linear``'s path from ``DENSE_DEQUANTIZE_FROM_ROWS`` rows on, whatever the rows."""
+    scratch = torch.empty((1, *values.shape), dtype=x.dtype, device=x.device)
+    return torch.nn.functional.linear(x, mxfp8_kernels.dequantize_groups(values[None], scales[None], scratch)[0])
 
 
 def main() -> int:

@@ -11,9 +11,9 @@ the same random tokens, so all run the same experts.
 * Decode steps (1-64 tokens) are timed as CUDA graphs of the layer (decode runs graphed), prefill-sized steps
   eagerly; the dequant path always eagerly (it syncs once a step, so the engine never graphs it).  CUDA-event
   medians (``triton.testing.do_bench``).
-* ``*_speedup``: the BF16 layer's time over the path's.  ``default``: the path ``mxfp8.DEQUANTIZE_FROM_TOKENS``
-  picks at that size; the ``crossover`` line says from which measured size on ``dequant`` wins at every larger one
-  (the value that constant should take).
+* ``*_speedup``: the BF16 layer's time over the path's.  ``default``: the path
+  ``mxfp8.DEQUANTIZE_FROM_ROWS_PER_EXPERT`` picks at that size; the ``crossover`` line says from which measured size
+  on ``dequant`` wins at every larger one, and its rows an expert (the value that constant should take).
 * ``*_tbps``: the weight bytes the step must read (the experts its tokens route to, the shared expert and the
   router) over its time, against the H200's measured 4.27 TB/s copy ceiling (``../shared/gpu/README.md``).
 * After timing, each size checks both MXFP8 paths against the BF16 layer holding the dequantized weights
@@ -27,6 +27,7 @@ the same random tokens, so all run the same experts.
 
 import argparse
 import logging
+import math
 import sys
 import time
 from pathlib import Path
@@ -47,9 +48,10 @@ COPY_CEILING_TBPS = 4.27
 DECODE_TOKENS = [1, 2, 4, 8, 16, 32, 64]
 PREFILL_TOKENS = [512, 2048, 8192]
 RANK_TOKENS = [1, 8, 64, 8192]
-COLUMNS = ["layer", "tokens", "experts_run", "bf16_us", "fused_us", "dequant_us", "fused_speedup", "dequant_speedup",
-           "default", "bf16_tbps", "fused_tbps", "fused_ceiling", "fused_err", "dequant_err"]  # fmt: skip
-PATHS = {"fused": lambda tokens: tokens + 1, "dequant": lambda tokens: tokens}  # MoE.dequantize_from_tokens for each
+COLUMNS = ["layer", "tokens", "rows_per_expert", "experts_run", "bf16_us", "fused_us", "dequant_us", "fused_speedup",
+           "dequant_speedup", "default", "bf16_tbps", "fused_tbps", "fused_ceiling", "fused_err",
+           "dequant_err"]  # fmt: skip
+PATHS = {"fused": math.inf, "dequant": 0.0}  # MoE.dequantize_from_rows (rows an expert) for each
 TIMING = {"warmup_ms": 10, "rep_ms": 60}  # short medians: the stage has a minute for ~40 timings
 SWEEP_COLUMNS = ["case", "tiles", "us", "bf16_us", "bf16_over"]
 SWEEP_DECODE = [
@@ -159,14 +161,15 @@ def measure(name: str, bf16: MoE, quantized: MoE, tokens: int) -> dict[str, Any]
         expert_ids, _ = bf16.router(x)
         times = {"bf16": cuda_time_us(graphed(lambda: step(bf16, x)) if decode else lambda: step(bf16, x), **TIMING)}
         for path, threshold in PATHS.items():
-            quantized.dequantize_from_tokens = threshold(tokens)
+            quantized.dequantize_from_rows = threshold
             call = lambda: step(quantized, x)  # noqa: E731
             times[path] = cuda_time_us(graphed(call) if decode and path == "fused" else call, **TIMING)
-        quantized.dequantize_from_tokens = mxfp8.DEQUANTIZE_FROM_TOKENS
+        quantized.dequantize_from_rows = mxfp8.DEQUANTIZE_FROM_ROWS_PER_EXPERT
     row: dict[str, Any] = {"layer": name, "tokens": tokens, "experts_run": experts_run(bf16, expert_ids)}
     row.update(bf16_us=times["bf16"], fused_us=times["fused"], dequant_us=times["dequant"])
     row.update(fused_speedup=times["bf16"] / times["fused"], dequant_speedup=times["bf16"] / times["dequant"])
-    row["default"] = "dequant" if tokens >= mxfp8.DEQUANTIZE_FROM_TOKENS else "fused"
+    row["rows_per_expert"] = tokens * M3_MOE["num_experts_per_tok"] / M3_MOE["num_local_experts"]
+    row["default"] = "dequant" if row["rows_per_expert"] >= mxfp8.DEQUANTIZE_FROM_ROWS_PER_EXPERT else "fused"
     row["bf16_tbps"] = weight_bytes(bf16, expert_ids) / times["bf16"] / 1e6
     row["fused_tbps"] = weight_bytes(quantized, expert_ids) / times["fused"] / 1e6
     row["fused_ceiling"] = row["fused_tbps"] / COPY_CEILING_TBPS
@@ -182,10 +185,10 @@ def check(bf16: MoE, quantized: MoE, rows: list[dict[str, Any]]) -> None:
         with torch.inference_mode():
             reference = step(bf16, x).float()
             for path, threshold in PATHS.items():
-                quantized.dequantize_from_tokens = threshold(row["tokens"])
+                quantized.dequantize_from_rows = threshold
                 ours = step(quantized, x).float()
                 row[f"{path}_err"] = float((ours - reference).norm() / reference.norm())
-        quantized.dequantize_from_tokens = mxfp8.DEQUANTIZE_FROM_TOKENS
+        quantized.dequantize_from_rows = mxfp8.DEQUANTIZE_FROM_ROWS_PER_EXPERT
         if not max(row["fused_err"], row["dequant_err"]) < 2e-2:  # bf16 rounding gives ~5e-3
             logger.error("MXFP8 layer differs from its dequantized BF16 twin: %s", row)
 
@@ -277,14 +280,17 @@ def main() -> int:
     torch.cuda.empty_cache()
     rows += timed_sizes("EP rank of 8", layers(ep_rank), args.rank_tokens, budget_end)
     crossovers = {name: crossover([r for r in rows if r["layer"] == name]) for name in ("whole layer", "EP rank of 8")}
+    top_k, experts = M3_MOE["num_experts_per_tok"], M3_MOE["num_local_experts"]
+    crossover_rows = {name: None if tokens is None else tokens * top_k / experts for name, tokens in crossovers.items()}
     extra = {"shape": "M3 MoE: hidden 6144, 128 experts x 3072 rows, top-8, shared expert 3072 rows",
-             "copy_ceiling_tbps": COPY_CEILING_TBPS, "dequantize_from_tokens": mxfp8.DEQUANTIZE_FROM_TOKENS,
-             "crossover": crossovers, "sweep": sweep_rows}  # fmt: skip
+             "copy_ceiling_tbps": COPY_CEILING_TBPS,
+             "dequantize_from_rows_per_expert": mxfp8.DEQUANTIZE_FROM_ROWS_PER_EXPERT,
+             "crossover": crossovers, "crossover_rows_per_expert": crossover_rows, "sweep": sweep_rows}  # fmt: skip
     write_results("mxfp8_moe", rows, extra, args.out)
     sys.stdout.write(markdown_table(rows, COLUMNS) + "\n")
     sys.stdout.write(
-        f"crossover (dequant beats fused from this size on): {crossovers}; "
-        f"mxfp8.DEQUANTIZE_FROM_TOKENS = {mxfp8.DEQUANTIZE_FROM_TOKENS}\n"
+        f"crossover (dequant beats fused from this size on): {crossovers} tokens, {crossover_rows} rows an expert; "
+        f"mxfp8.DEQUANTIZE_FROM_ROWS_PER_EXPERT = {mxfp8.DEQUANTIZE_FROM_ROWS_PER_EXPERT}\n"
     )
     if sweep_rows:
         sys.stdout.write(markdown_table(sweep_rows, [*SWEEP_COLUMNS, "rel_err"]) + "\n")

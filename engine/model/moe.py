@@ -62,10 +62,10 @@ class MoE(nn.Module):
         self.gate_up_proj = empty_parameter(experts, 2 * inter, hidden, dtype=dtype, device=device)
         self.down_proj = empty_parameter(experts, hidden, inter, dtype=dtype, device=device)
         # MXFP8 scales of the two stacks, when the checkpoint stores them so (mxfp8.quantize_parameters), and the
-        # step size from which those experts run dequantized through torch's grouped GEMM (grouped_dequantized).
+        # rows an expert from which those experts run dequantized through torch's grouped GEMM (grouped_dequantized).
         self.gate_up_proj_scale_inv: nn.Parameter | None = None
         self.down_proj_scale_inv: nn.Parameter | None = None
-        self.dequantize_from_tokens = mxfp8.DEQUANTIZE_FROM_TOKENS
+        self.dequantize_from_rows = float(mxfp8.DEQUANTIZE_FROM_ROWS_PER_EXPERT)
         self.shared_expert = GatedMLP(
             hidden, text.shared_intermediate_size, alpha=self.alpha, limit=self.limit, dtype=dtype, device=device
         )
@@ -152,10 +152,10 @@ class MoE(nn.Module):
         be CUDA-graphed.  Rows past the last expert's group (skipped pairs) are left unwritten; the combine ignores
         them."""
         if self.gate_up_proj_scale_inv is not None and self.down_proj_scale_inv is not None:
-            tokens = inputs.shape[0] // self.router.top_k
-            if tokens >= self.dequantize_from_tokens and not torch.cuda.is_current_stream_capturing():
-                return self.grouped_dequantized(inputs, offsets)
             routed = self.router.weight.shape[0]  # every expert, also under expert parallelism
+            rows_per_expert = inputs.shape[0] / routed  # every rank's pairs under expert parallelism, over every expert
+            if rows_per_expert >= self.dequantize_from_rows and not torch.cuda.is_current_stream_capturing():
+                return self.grouped_dequantized(inputs, offsets)
             hidden = mxfp8_kernels.mxfp8_grouped_mm(
                 inputs, self.gate_up_proj, self.gate_up_proj_scale_inv, offsets, routed_experts=routed
             )

@@ -24,13 +24,19 @@ SCALE_DTYPE = torch.uint8
 FP8_MAX = 448.0  # the largest finite e4m3 value
 # Exponents a writer uses: byte 0 (2 ** -127) is left out, the kernels read it as 0; 255 is NaN in E8M0.
 MIN_EXPONENT, MAX_EXPONENT = 1 - E8M0_BIAS, 254 - E8M0_BIAS
-# MoE steps of at least this many tokens widen their experts into a bf16 scratch, a few experts at a time, and
-# multiply through torch's grouped GEMM (``moe.MoE.grouped_dequantized``); smaller ones run the fused kernel, which
-# reads half of bf16's weight bytes.  The value is ``bench.mxfp8_moe``'s measured crossover (H200, 2026-12-04 04:50
-# UTC, bench/results/mxfp8_moe.json): at M3 shapes the fused kernel is still ahead at 2048 tokens (0.461x BF16
-# against the dequant path's 0.432x) and behind at 8192 (0.477x against 0.638x; one EP rank of 8: 0.587x against
-# 0.711x), for the whole layer and the EP rank alike.  Sizes between 2048 and 8192 were not measured.
-DEQUANTIZE_FROM_TOKENS = 8192
+# MoE steps whose experts get at least this many rows each on average (token-expert pairs over the experts routed
+# over) widen their experts into a bf16 scratch, a few experts at a time, and multiply through torch's grouped GEMM
+# (``moe.MoE.grouped_dequantized``); smaller ones run the fused kernel, which reads half of bf16's weight bytes.
+# Widening costs the experts' bytes whatever the step, the GEMMs' math grows with the rows an expert gets, so the
+# crossover is a number of rows an expert, the same for any expert count and top-k.  ``bench.mxfp8_moe``'s
+# measured crossover at M3's shapes (H200, 2026-12-04 14:57 UTC, commit 1b722f3, bench/results/mxfp8_moe.json):
+# 8192 tokens at top-8 over 128 experts, 512 rows an expert (fused 0.558x BF16, dequant 0.621x); at 2048 tokens
+# (128 rows an expert) the fused kernel is ahead (0.760x against 0.420x).  Sizes between were not measured.
+DEQUANTIZE_FROM_ROWS_PER_EXPERT = 512
+# Dense linears of at least this many rows widen their weight into a scratch (at most M3's dense MLP, 302 MB in
+# bf16, within DEQUANTIZE_SCRATCH_BYTES) and multiply through cuBLAS: widening costs ~3 bytes moved a weight, which
+# a step bound by math pays back (bench.mxfp8_linears, bench/README.md "MXFP8 dense linears").
+DENSE_DEQUANTIZE_FROM_ROWS = 512
 DEQUANTIZE_SCRATCH_BYTES = MXFP8_SCRATCH_BYTES  # their bf16 scratch: two chunks of experts, widened in turn
 
 
@@ -64,8 +70,12 @@ def dequantize(values: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype = 
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """``x @ W.T (+ bias)`` for an MXFP8 ``W`` ``[out, in]``: the Triton kernel for bf16/fp16 on CUDA."""
+    """``x @ W.T (+ bias)`` for an MXFP8 ``W`` ``[out, in]``: the Triton kernel for bf16/fp16 on CUDA; from
+    ``DENSE_DEQUANTIZE_FROM_ROWS`` rows on, ``W`` widened into a scratch of ``x``'s dtype and cuBLAS's matmul."""
     if x.is_cuda and x.dtype in mxfp8_kernels.ACTIVATION_DTYPES:
+        if x.numel() >= DENSE_DEQUANTIZE_FROM_ROWS * x.shape[-1]:
+            scratch = torch.empty((1, *weight.shape), dtype=x.dtype, device=x.device)
+            return F.linear(x, mxfp8_kernels.dequantize_groups(weight[None], scales[None], scratch)[0], bias)
         out = mxfp8_kernels.mxfp8_linear(x.reshape(-1, x.shape[-1]), weight, scales)
         out = out.view(*x.shape[:-1], weight.shape[0])
         return out if bias is None else out + bias

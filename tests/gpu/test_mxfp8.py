@@ -11,6 +11,7 @@ float32 model agrees with as often.
 
 import dataclasses
 import itertools
+import math
 
 import pytest
 import torch
@@ -83,6 +84,19 @@ def test_dense_kernel_is_as_accurate_as_cublas(shape: tuple[int, int, int], tile
     assert _error(ours, reference) <= 1.5 * _error(torch.nn.functional.linear(x, dense), reference) + 1e-4
 
 
+def test_dense_linears_of_prefill_size_widen_the_weight_and_give_cublas_bits() -> None:
+    """From ``DENSE_DEQUANTIZE_FROM_ROWS`` rows on, ``mxfp8.linear`` widens the weight (exactly) and calls cuBLAS:
+    the bf16 product of the dequantized weight, bit for bit; a row fewer runs the kernel, as accurate as cuBLAS."""
+    values, scales, dense = _weights(HIDDEN, INTER, seed=5)
+    rows = mxfp8.DENSE_DEQUANTIZE_FROM_ROWS
+    x = torch.randn(rows, INTER, device="cuda").to(torch.bfloat16)
+    assert torch.equal(mxfp8.linear(x, values, scales, None), torch.nn.functional.linear(x, dense))
+    below = x[: rows - 1]
+    reference = below.float() @ dense.float().T
+    ours = mxfp8.linear(below, values, scales, None)
+    assert _error(ours, reference) <= 1.5 * _error(torch.nn.functional.linear(below, dense), reference) + 1e-4
+
+
 @pytest.mark.parametrize(("tokens", "tiles"), GROUPED_CASES)
 def test_grouped_kernel_is_as_accurate_as_torch_grouped_mm(tokens: int, tiles: Tiles) -> None:
     experts, top_k = 32, 8  # 32 of M3's 128 experts: the shapes and the routing density, a quarter of the bytes
@@ -143,8 +157,8 @@ def test_dequantized_experts_are_as_accurate_as_the_fused_kernel(tokens: int) ->
         ids, weights = layer.router(x)
         reference = layer._experts(x.float(), ids, weights)  # float32 (every expert over every row), dequantized
         outputs = {}
-        for label, threshold in (("fused", tokens + 1), ("dequantized", tokens)):
-            layer.dequantize_from_tokens = threshold
+        for label, threshold in (("fused", math.inf), ("dequantized", 0.0)):
+            layer.dequantize_from_rows = threshold
             outputs[label] = layer._experts(x, ids, weights)
     assert _error(outputs["dequantized"], reference) <= 1.5 * _error(outputs["fused"], reference) + 1e-4
 
