@@ -4,7 +4,7 @@ The linears one TP=1 step runs outside the experts (attention's q, k|v and o pro
 the shared expert), each at 1, 4 and 16 rows by default (decode; ``--rows`` for others), CUDA-graphed as the engine
 runs decode: ``mxfp8_kernels``' plan (``mxfp8``: its tiles and K split), the weight widened into a bf16 scratch and
 cuBLAS's matmul (``dequant``), and ``torch.nn.functional.linear`` in bf16.  ``default``: the path
-``mxfp8.linear`` takes at that size (``mxfp8.DENSE_DEQUANTIZE_FROM_ROWS``).  TB/s: the weight bytes the kernel
+``mxfp8.linear`` takes at that size (``mxfp8.DENSE_KERNEL_MAX_ROWS``).  TB/s: the weight bytes the kernel
 reads (FP8 + scales, or bf16) over its time, against the H200's 4.27 TB/s copy ceiling.  After timing, both MXFP8
 outputs are checked against the float32 product of the dequantized weights.
 
@@ -57,7 +57,7 @@ def measure(name: str, n: int, k: int, rows_list: list[int]) -> list[dict[str, A
             "dequant": lambda: dequantized_linear(x, values, scales),  # noqa: B023
         }
         times = {path: cuda_time_us(graphed(call), **TIMING) for path, call in paths.items()}
-        default = "dequant" if rows >= mxfp8.DENSE_DEQUANTIZE_FROM_ROWS else "mxfp8"
+        default = "dequant" if rows > mxfp8.DENSE_KERNEL_MAX_ROWS else "mxfp8"
         reference = x.float() @ dense.float().T
         errors = {path: float((paths[path]().float() - reference).norm() / reference.norm()) for path in paths}
         row = {"linear": name, "rows": rows, "split": plan.split, **{f"{key}_us": us for key, us in times.items()},
@@ -72,7 +72,7 @@ def measure(name: str, n: int, k: int, rows_list: list[int]) -> list[dict[str, A
 
 
 def dequantized_linear(x: torch.Tensor, values: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    """``mxfp8.linear``'s path from ``DENSE_DEQUANTIZE_FROM_ROWS`` rows on, whatever the rows."""
+    """``mxfp8.linear``'s path past ``DENSE_KERNEL_MAX_ROWS`` rows, whatever the rows."""
     scratch = torch.empty((1, *values.shape), dtype=x.dtype, device=x.device)
     return torch.nn.functional.linear(x, mxfp8_kernels.dequantize_groups(values[None], scales[None], scratch)[0])
 

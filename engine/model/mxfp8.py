@@ -33,10 +33,12 @@ MIN_EXPONENT, MAX_EXPONENT = 1 - E8M0_BIAS, 254 - E8M0_BIAS
 # 8192 tokens at top-8 over 128 experts, 512 rows an expert (fused 0.558x BF16, dequant 0.621x); at 2048 tokens
 # (128 rows an expert) the fused kernel is ahead (0.760x against 0.420x).  Sizes between were not measured.
 DEQUANTIZE_FROM_ROWS_PER_EXPERT = 512
-# Dense linears of at least this many rows widen their weight into a scratch (at most M3's dense MLP, 302 MB in
-# bf16, within DEQUANTIZE_SCRATCH_BYTES) and multiply through cuBLAS: widening costs ~3 bytes moved a weight, which
-# a step bound by math pays back (bench.mxfp8_linears, bench/README.md "MXFP8 dense linears").
-DENSE_DEQUANTIZE_FROM_ROWS = 512
+# Dense linears of more rows than this widen their weight into a scratch (at most M3's dense MLP, 302 MB in bf16,
+# within DEQUANTIZE_SCRATCH_BYTES) and multiply through cuBLAS; up to it the kernel's GEMV, 16-row and swap_ab
+# 32-row tiles run.  H200, commit 2b66387 (bench/results/mxfp8_linears_prefill.json): at 64 rows the kernel ran
+# M3's linears 1.2-1.9x faster than widening + cuBLAS, at 256 rows 1.8-2.7x slower (its 128-row tiles over few
+# output tiles); 65-255 rows were not measured.
+DENSE_KERNEL_MAX_ROWS = 64
 DEQUANTIZE_SCRATCH_BYTES = MXFP8_SCRATCH_BYTES  # their bf16 scratch: two chunks of experts, widened in turn
 
 
@@ -70,10 +72,10 @@ def dequantize(values: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype = 
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """``x @ W.T (+ bias)`` for an MXFP8 ``W`` ``[out, in]``: the Triton kernel for bf16/fp16 on CUDA; from
-    ``DENSE_DEQUANTIZE_FROM_ROWS`` rows on, ``W`` widened into a scratch of ``x``'s dtype and cuBLAS's matmul."""
+    """``x @ W.T (+ bias)`` for an MXFP8 ``W`` ``[out, in]``: the Triton kernel for bf16/fp16 on CUDA; past
+    ``DENSE_KERNEL_MAX_ROWS`` rows, ``W`` widened into a scratch of ``x``'s dtype and cuBLAS's matmul."""
     if x.is_cuda and x.dtype in mxfp8_kernels.ACTIVATION_DTYPES:
-        if x.numel() >= DENSE_DEQUANTIZE_FROM_ROWS * x.shape[-1]:
+        if x.numel() > DENSE_KERNEL_MAX_ROWS * x.shape[-1]:
             scratch = torch.empty((1, *weight.shape), dtype=x.dtype, device=x.device)
             return F.linear(x, mxfp8_kernels.dequantize_groups(weight[None], scales[None], scratch)[0], bias)
         out = mxfp8_kernels.mxfp8_linear(x.reshape(-1, x.shape[-1]), weight, scales)

@@ -85,10 +85,10 @@ def test_dense_kernel_is_as_accurate_as_cublas(shape: tuple[int, int, int], tile
 
 
 def test_dense_linears_of_prefill_size_widen_the_weight_and_give_cublas_bits() -> None:
-    """From ``DENSE_DEQUANTIZE_FROM_ROWS`` rows on, ``mxfp8.linear`` widens the weight (exactly) and calls cuBLAS:
-    the bf16 product of the dequantized weight, bit for bit; a row fewer runs the kernel, as accurate as cuBLAS."""
+    """Past ``DENSE_KERNEL_MAX_ROWS`` rows ``mxfp8.linear`` widens the weight (exactly) and calls cuBLAS: the bf16
+    product of the dequantized weight, bit for bit; a row fewer runs the kernel, as accurate as cuBLAS."""
     values, scales, dense = _weights(HIDDEN, INTER, seed=5)
-    rows = mxfp8.DENSE_DEQUANTIZE_FROM_ROWS
+    rows = mxfp8.DENSE_KERNEL_MAX_ROWS + 1
     x = torch.randn(rows, INTER, device="cuda").to(torch.bfloat16)
     assert torch.equal(mxfp8.linear(x, values, scales, None), torch.nn.functional.linear(x, dense))
     below = x[: rows - 1]
