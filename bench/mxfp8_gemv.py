@@ -51,10 +51,9 @@ GEMV_UP_TO_TOKENS, GEMV_UP_TO_ROWS = 16, 4
 # MMA tiles beside the GEMV: the grouped decode default; for dense linears each MMA class and fp16 MMAs.  swap_ab
 # tiles multiply out.T = W x.T (the weights on the MMA's M side): the plan's tiles so, and the candidates
 # that compile for sm_90 (Triton 3.6) to warpgroup MMAs without spills at 4-8 CTAs a SM (bench.sm90_compile).
-SWAP_CANDIDATES = [Tiles(16, 64, 128, 4, 3, widen=3, swap_ab=True), Tiles(16, 64, 128, 4, 3, swap_ab=True)]
-GROUPED_MMAS = [mxfp8_kernels.DECODE_TILES, replace(mxfp8_kernels.DECODE_TILES, widen=3),
-                replace(mxfp8_kernels.DECODE_TILES, swap_ab=True), *SWAP_CANDIDATES]  # fmt: skip
-DENSE_MMAS = [mxfp8_kernels.DECODE_TILES, replace(mxfp8_kernels.DECODE_TILES, widen=3), mxfp8_kernels.MEDIUM_TILES,
+SWAP_CANDIDATES = [Tiles(16, 64, 128, 4, 3, swap_ab=True)]
+GROUPED_MMAS = [mxfp8_kernels.DECODE_TILES, replace(mxfp8_kernels.DECODE_TILES, swap_ab=True), *SWAP_CANDIDATES]
+DENSE_MMAS = [mxfp8_kernels.DECODE_TILES, mxfp8_kernels.MEDIUM_TILES,
               mxfp8_kernels.DENSE_MEDIUM_TILES, replace(mxfp8_kernels.DECODE_TILES, swap_ab=True),
               replace(mxfp8_kernels.MEDIUM_TILES, swap_ab=True), *SWAP_CANDIDATES,
               Tiles(32, 64, 128, 4, 3, swap_ab=True), Tiles(64, 64, 64, 4, 3, swap_ab=True)]  # fmt: skip
@@ -84,7 +83,12 @@ def parse_tiles(name: str) -> Tiles:
     if found is None:
         raise argparse.ArgumentTypeError(f"{name!r} is not a configuration name like 'mma0 swap_ab 32x128x128 w4 s4'")
     sizes = (int(found[key]) for key in ("m", "n", "k", "warps", "stages"))
-    tiles = Tiles(*sizes, split_k=int(found["split"] or 0), widen=int(found["widen"] or 0), swap_ab=bool(found["swap"]))
+    try:
+        tiles = Tiles(
+            *sizes, split_k=int(found["split"] or 0), widen=int(found["widen"] or 0), swap_ab=bool(found["swap"])
+        )
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(f"{name!r}: {error}") from error
     if tiles.gemv != name.strip().startswith("gemv"):
         raise argparse.ArgumentTypeError(f"{name!r}: the GEMV is the 1-row configuration and only it")
     return tiles

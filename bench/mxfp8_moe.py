@@ -55,12 +55,12 @@ PATHS = {"fused": math.inf, "dequant": 0.0}  # MoE.dequantize_from_rows (rows an
 TIMING = {"warmup_ms": 10, "rep_ms": 60}  # short medians: the stage has a minute for ~40 timings
 SWEEP_COLUMNS = ["case", "tiles", "us", "bf16_us", "bf16_over"]
 SWEEP_DECODE = [
-    Tiles(16, 64, 128, 4, 4),  # decode's tiles widening to bf16 through float32, as built until 2026-12-04
-    Tiles(16, 64, 256, 4, 3, widen=3),
+    Tiles(16, 64, 128, 4, 4),  # the plan's decode tiles
+    Tiles(16, 64, 256, 4, 3),
     Tiles(16, 64, 128, 4, 4, widen=1),
     Tiles(16, 64, 128, 4, 4, widen=2),
-    Tiles(16, 128, 128, 4, 4, widen=3),
-    Tiles(16, 32, 128, 4, 4, widen=3),
+    Tiles(16, 128, 128, 4, 4),
+    Tiles(16, 32, 128, 4, 4),
 ]
 SWEEP_PREFILL = [
     Tiles(128, 128, 64, 8, 4, widen=1),

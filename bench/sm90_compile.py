@@ -244,7 +244,7 @@ def mxfp8_builds() -> Iterator[KernelBuild]:
     from m3stack.engine.model import mxfp8_kernels as kernels
 
     pointers = dict(x_ptr="*bf16", w_ptr="*fp8e4nv", s_ptr="*u8", out_ptr="*bf16", partials_ptr="*fp32",
-                    counters_ptr="*i32", ends_ptr="*i32", row_max_ptr="*fp32")  # fmt: skip
+                    counters_ptr="*i32", ends_ptr="*i32")  # fmt: skip
     experts = dict(GROUPS=128, GROUPS_P=128, SPLIT=1, EVEN_K=True)
     dense = dict(GROUPS=0, GROUPS_P=1, SPLIT=4, EVEN_K=True)
     gemv = kernels.GROUPED_GEMV_TILES
@@ -273,7 +273,7 @@ def mxfp8_builds() -> Iterator[KernelBuild]:
             continue
         seen.add((tiles, shape["GROUPS"]))
         constexprs = dict(BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, WIDEN=tiles.widen,
-                          ROW_SCALED=tiles.widen == 3, SWAP_AB=tiles.swap_ab, **shape)  # fmt: skip
+                          SWAP_AB=tiles.swap_ab, **shape)  # fmt: skip
         label = (f"mxfp8 {name}{' swap_ab' if tiles.swap_ab else ''} {tiles.block_m}x{tiles.block_n}x{tiles.block_k}"
                  f" widen{tiles.widen}")  # fmt: skip
         yield KernelBuild(label, kernels._mxfp8_matmul_kernel, pointers, constexprs, tiles.num_warps,

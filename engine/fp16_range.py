@@ -1,9 +1,8 @@
 """bf16 operands of fp16 MMAs: a power of two that brings values into fp16's range, in Triton.
 
 fp16 MMAs take FP8 (e4m3) operands widened in one instruction a pair, where bf16 needs a second conversion; their
-other operand, bf16, enters fp16 times a power of two from its largest magnitude.  Used by the MXFP8 decode tiles
-(``model.mxfp8_kernels``: a power of two an activation row) and the MSA decode scan over an fp8 k-index
-(``msa.decode_index_kernels``: one a query column).
+other operand, bf16, enters fp16 times a power of two from its largest magnitude.  Used by the MSA decode scan over
+an fp8 k-index (``msa.decode_index_kernels``: one a query column).
 """
 
 import triton

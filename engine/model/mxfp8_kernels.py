@@ -9,13 +9,10 @@ by the weight bytes they read, which are half of bf16's.
 Each program reads whole K tiles (rows, weights and the blocks' scales) and widens the weight tile at once: each
 32-input block's power of two built once and repeated over its inputs, then one MMA a tile.  Widening and
 multiplying one 32-input sub-tile at a time, as built first, ran M3's experts 1.5x slower at 512 tokens a step
-and 1.14x slower at 64 (bench/README.md, "MXFP8 GEMV").  Options of ``Tiles`` that ``bench.mxfp8_gemv`` times
-beside the plan: ``widen`` 3 multiplies in fp16, e4m3 widened in one instruction per pair (exact), each 32-input
-sub-tile's product through an fp16 MMA and its block scales multiplied onto the float32 accumulator; bf16 rows
-enter fp16 times a power of two that brings the row's largest magnitude (``row_abs_max``, one launch before the
-kernel) into [2 ** 14, 2 ** 15) (``engine.fp16_range``): exact for every value within 2 ** -30 of it.  ``swap_ab``
-multiplies out.T = W x.T, the weight tile on the MMA's M side, which Hopper's warpgroup MMAs need for few rows:
-the plan's tiles for dense linears of 17-64 rows.
+and, in its fastest form (fp16 MMAs, the scales on the accumulator), 1.12-1.14x slower at 16-64 (bench/README.md,
+"MXFP8 GEMV").  Options of ``Tiles`` that ``bench.mxfp8_gemv`` times beside the plan: ``widen`` 1 and 2, other
+ways of widening e4m3 to bf16; ``swap_ab`` multiplies out.T = W x.T, the weight tile on the MMA's M side, which
+Hopper's warpgroup MMAs need for few rows: the plan's tiles for dense linears of 17-64 rows.
 
 Steps of a few rows run ``_mxfp8_gemv_kernel`` instead: one row a program on CUDA cores (FP8 -> float32, float32
 products summed a 32-input block at a time, times the block's scale), each weight row read as 256 (experts) or 512
@@ -51,7 +48,6 @@ import torch
 import triton
 import triton.language as tl
 
-from m3stack.engine.fp16_range import fp16_shift
 from m3stack.engine.model.quantization import BLOCK_SIZE
 
 ACTIVATION_DTYPES = (torch.bfloat16, torch.float16)
@@ -69,12 +65,15 @@ class Tiles:
     num_warps: int
     num_stages: int
     split_k: int = 0
-    # _widen's WIDEN for bf16 activations (fp16 ones widen through float32), or 3: fp16 MMAs, scales on the
-    # accumulator (for fp16 activations too)
+    # _widen's WIDEN for bf16 activations (fp16 ones widen through float32)
     widen: int = 0
     # MMAs of out.T = W x.T: the weight tile is the MMA's M side (64-128 of its rows, which Hopper's warpgroup
     # MMAs need), the few activation rows its N side; not a default until the H200 has timed it (bench.mxfp8_gemv)
     swap_ab: bool = False
+
+    def __post_init__(self) -> None:
+        if self.widen not in (0, 1, 2):
+            raise ValueError(f"widen is 0, 1 or 2 (_widen's ways), got {self.widen}")
 
     @property
     def gemv(self) -> bool:
@@ -84,10 +83,12 @@ class Tiles:
 
 # By rows per group, from bench.mxfp8_gemv on the H200 (bench/README.md "MXFP8 GEMV"); each reads and widens whole
 # K tiles, one MMA a tile.  At M3's 64-token decode step the 16-row tiles ran the experts 1.96x (gate|up) and 1.99x
-# (down) torch's bf16 grouped GEMM, where fp16 MMAs with the scales on the accumulator (widen 3, an option) ran
-# 1.72x / 1.77x.  Dense linears of 17-64 rows multiply out.T = W x.T (the weights on the warpgroup MMA's M side):
-# 64 rows of q in 54 us against 75 for the 64-row tiles (cuBLAS's bf16: 37).  Compiled for sm_90 by Triton 3.6
-# without spills: decode 120 registers (4 CTAs a SM), medium 168 (3), prefill 128 (2).
+# (down) torch's bf16 grouped GEMM, where fp16 MMAs with the scales on the accumulator, one 32-input sub-tile at a
+# time (an option until 2026-12-04), ran 1.72x / 1.77x, and 12-14% slower than these at 16 and 32 tokens too.
+# Dense linears of 17-64 rows multiply out.T = W x.T (the weights on the warpgroup MMA's M side): 64 rows of q in
+# 54 us against 75 for the 64-row tiles (cuBLAS's bf16: 37); past 64 rows mxfp8.linear widens the weight and calls
+# cuBLAS.  Compiled for sm_90 by Triton 3.6 without spills: decode 120 registers (4 CTAs a SM), dense medium 127
+# (4), medium 168 (3), prefill 128 (2).
 DECODE_TILES = Tiles(block_m=16, block_n=64, block_k=128, num_warps=4, num_stages=4)
 DENSE_MEDIUM_TILES = Tiles(block_m=32, block_n=64, block_k=128, num_warps=4, num_stages=3, swap_ab=True)
 MEDIUM_TILES = Tiles(block_m=64, block_n=128, block_k=64, num_warps=4, num_stages=4)
@@ -108,7 +109,6 @@ GEMV_MAX_ROWS = 2  # dense linears
 GEMV_MAX_PAIRS = 64
 # dequantize_groups' tile: 16 KiB of FP8 read and 32 KiB of bf16 written a program.
 DEQUANTIZE_BLOCK_N, DEQUANTIZE_BLOCK_K = 64, 256
-ROW_MAX_BLOCK = 2048  # row_abs_max's loads: 4 KiB of bf16 a step
 
 
 @triton.jit
@@ -153,36 +153,13 @@ def _widen_tile(w, s, DTYPE: tl.constexpr, WIDEN: tl.constexpr):
 
 
 @triton.jit
-def _row_shifts(row_max_ptr, offs_m, mask_m):
-    """Per row, powers of two ``(down, up)`` (``fp16_shift``) from the row's largest magnitude: the row enters the
-    fp16 MMA times ``down`` and the accumulator gets ``up`` back.  Masked rows stay in range."""
-    return fp16_shift(tl.load(row_max_ptr + offs_m, mask=mask_m, other=1.0).to(tl.float32))
-
-
-@triton.jit
-def _fp16_product(x, w, s, acc, row_down, ROW_SCALED: tl.constexpr, SWAP_AB: tl.constexpr):
-    """``acc`` plus ``x @ (w * 2 ** (s - 127))`` through an fp16 MMA, short of the rows' ``up`` factors: ``w``
-    (e4m3) widens exactly to fp16, ``x`` goes to fp16 (bf16 rows times their ``row_down``: ``_row_shifts``), and
-    the block's scales ``s`` ``[1, N]`` multiply the float32 product before it joins the accumulator (``SWAP_AB``:
-    the transposed product into a transposed ``acc``)."""
-    if ROW_SCALED:
-        x = x.to(tl.float32) * row_down[:, None]
-    scale = (s.to(tl.int32) << 23).to(tl.float32, bitcast=True)
-    if SWAP_AB:  # one return: the compiler unifies a function's returns, and the two shapes differ
-        acc += tl.dot(tl.trans(w.to(tl.float16)), tl.trans(x.to(tl.float16))) * tl.trans(scale)
-    else:
-        acc += tl.dot(x.to(tl.float16), w.to(tl.float16)) * scale
-    return acc
-
-
-@triton.jit
 def _mxfp8_matmul_kernel(
-    x_ptr, w_ptr, s_ptr, out_ptr, partials_ptr, counters_ptr, ends_ptr, row_max_ptr,
+    x_ptr, w_ptr, s_ptr, out_ptr, partials_ptr, counters_ptr, ends_ptr,
     rows, n, k, k_per_split,
     stride_x, stride_wg, stride_wn, stride_sg, stride_sk, stride_split, stride_partial, stride_out,
     GROUPS: tl.constexpr, GROUPS_P: tl.constexpr, SPLIT: tl.constexpr, EVEN_K: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, WIDEN: tl.constexpr,
-    ROW_SCALED: tl.constexpr, SWAP_AB: tl.constexpr,
+    SWAP_AB: tl.constexpr,
 ):  # fmt: skip
     """One ``BLOCK_M x BLOCK_N`` output tile of one group over ``k_per_split`` inputs (program axis 2).
 
@@ -217,47 +194,29 @@ def _mxfp8_matmul_kernel(
     mask_n = offs_n < n
     k_start = tl.multiple_of(pid_k * k_per_split, BLOCK_K)  # unhinted, it leaves every load unvectorized
     k_stop = tl.minimum(k, k_start + k_per_split)
-    offs_k = k_start + tl.arange(0, 32)
-    # Each K tile is read as 32-input sub-tiles, one scale block each: the weights [32, BLOCK_N] and the block's row
-    # of scales [1, BLOCK_N], broadcast.  The scales are block-major (a block's N scales contiguous: _launch checks
-    # it), so that row is one contiguous, pipelined load.  The [BLOCK_K, BLOCK_N] gather of scale bytes this
-    # replaces (one load per weight) ran the MoE layer at 1.3 TB/s on the H200; for sm_90 (Triton 3.6) it took
-    # 216-255 registers against 64-153 now.
+    # The scales are block-major (a block's N scales contiguous: _launch checks it), so a K tile's scales are
+    # BLOCK_K / 32 contiguous rows.  A [BLOCK_K, BLOCK_N] gather of scale bytes instead (one load per weight) ran the
+    # MoE layer at 1.3 TB/s on the H200.
     x_rows = x_ptr + offs_m[:, None].to(tl.int64) * stride_x
     w_cols = w_ptr + group.to(tl.int64) * stride_wg + offs_n[None, :].to(tl.int64) * stride_wn
     s_cols = s_ptr + group.to(tl.int64) * stride_sg + offs_n[None, :]
     # SWAP_AB: out.T's tile, the weights' rows on the MMA's M side
     acc = tl.zeros((BLOCK_N, BLOCK_M) if SWAP_AB else (BLOCK_M, BLOCK_N), dtype=tl.float32)
-    row_down = tl.full((BLOCK_M,), 1.0, tl.float32)
-    row_up = tl.full((BLOCK_M,), 1.0, tl.float32)
-    if ROW_SCALED:
-        row_down, row_up = _row_shifts(row_max_ptr, offs_m, mask_m)
-    # The widening tiles read whole K tiles: [BLOCK_M, BLOCK_K] rows, [BLOCK_K, BLOCK_N] weights and their
-    # [BLOCK_K / 32, BLOCK_N] scales (block-major: each block's row contiguous), one MMA a tile.
-    offs_kt = k_start + tl.arange(0, BLOCK_K)
-    offs_bt = k_start // 32 + tl.arange(0, BLOCK_K // 32)
+    # Whole K tiles: [BLOCK_M, BLOCK_K] rows, [BLOCK_K, BLOCK_N] weights and their [BLOCK_K / 32, BLOCK_N] scales
+    # (block-major: each block's row contiguous), one MMA a tile.
+    offs_k = k_start + tl.arange(0, BLOCK_K)
+    offs_b = k_start // 32 + tl.arange(0, BLOCK_K // 32)
     for kk in range(0, k_per_split, BLOCK_K):
-        if WIDEN == 3:
-            for j in tl.static_range(BLOCK_K // 32):
-                in_k = offs_k + (kk + j * 32)
-                block = (k_start + kk + j * 32) // 32
-                if not EVEN_K:  # a sub-tile past k reads the last block's scales: its weights are masked to 0
-                    block = tl.minimum(block, k // 32 - 1)
-                x, w, s = _load_k_tile(x_rows, w_cols, s_cols + block * stride_sk, in_k, k_stop, mask_m, mask_n, EVEN_K)
-                acc = _fp16_product(x, w, s, acc, row_down, ROW_SCALED, SWAP_AB)
-        else:
-            k_blocks = offs_bt + kk // 32
-            if not EVEN_K:
-                k_blocks = tl.minimum(k_blocks, k // 32 - 1)
-            scale_ptrs = s_cols + k_blocks[:, None] * stride_sk
-            x, w, s = _load_k_tile(x_rows, w_cols, scale_ptrs, offs_kt + kk, k_stop, mask_m, mask_n, EVEN_K)
-            wide = _widen_tile(w, s, x_ptr.dtype.element_ty, WIDEN)
-            acc = tl.dot(tl.trans(wide), tl.trans(x), acc) if SWAP_AB else tl.dot(x, wide, acc)
+        k_blocks = offs_b + kk // 32
+        if not EVEN_K:  # past k: the last block's scales, over weights masked to 0
+            k_blocks = tl.minimum(k_blocks, k // 32 - 1)
+        x, w, s = _load_k_tile(x_rows, w_cols, s_cols + k_blocks[:, None] * stride_sk, offs_k + kk, k_stop, mask_m,
+                               mask_n, EVEN_K)  # fmt: skip
+        wide = _widen_tile(w, s, x_ptr.dtype.element_ty, WIDEN)
+        acc = tl.dot(tl.trans(wide), tl.trans(x), acc) if SWAP_AB else tl.dot(x, wide, acc)
 
     if SWAP_AB:
         acc = tl.trans(acc)
-    if ROW_SCALED:
-        acc = acc * row_up[:, None]
     mask = mask_m[:, None] & mask_n[None, :]
     out_ptrs = out_ptr + offs_m[:, None].to(tl.int64) * stride_out + offs_n[None, :]
     tile_partials = partials_ptr + offs_m[:, None].to(tl.int64) * stride_partial + offs_n[None, :]
@@ -352,26 +311,6 @@ def _mxfp8_gemv_kernel(
     tile_partials = partials_ptr + row.to(tl.int64) * stride_partial + offs_n
     counter = counters_ptr + row * tl.num_programs(1) + pid_n
     _store_tile(result, out_ptrs, tile_partials, mask_n, counter, pid_k, stride_split, SPLIT)
-
-
-@triton.jit
-def _row_abs_max_kernel(x_ptr, out_ptr, k, stride_x, BLOCK: tl.constexpr):
-    """The largest magnitude of row ``program_id(0)`` of ``x``, as float32."""
-    row = tl.program_id(0).to(tl.int64)
-    largest = tl.zeros((BLOCK,), dtype=tl.float32)
-    for start in range(0, k, BLOCK):
-        offs = start + tl.arange(0, BLOCK)
-        largest = tl.maximum(largest, tl.abs(tl.load(x_ptr + row * stride_x + offs, mask=offs < k, other=0.0)))
-    tl.store(out_ptr + row, tl.max(largest, axis=0))
-
-
-def row_abs_max(x: torch.Tensor) -> torch.Tensor:
-    """Each row's largest magnitude, float32 ``[rows]``: one program a row (torch's ``amax`` over a few long rows
-    took 17-22 us on the H200, as long as the 1-token matmul it prepares takes to read 14 MB)."""
-    out = torch.empty(x.shape[0], dtype=torch.float32, device=x.device)
-    if x.shape[0]:
-        _row_abs_max_kernel[(x.shape[0],)](x, out, x.shape[1], x.stride(0), BLOCK=ROW_MAX_BLOCK, num_warps=4)
-    return out
 
 
 @triton.jit
@@ -537,13 +476,9 @@ def _launch(
             x, weights, scales, out, partials, counters, ends if grouped else x, n, k, k_per_split, *strides, **common
         )
         return out
-    # fp16 MMAs over bf16 rows: each row's largest magnitude sets its power-of-two shift into fp16's range.
-    row_scaled = tiles.widen == 3 and x.dtype == torch.bfloat16
-    row_max = row_abs_max(x) if row_scaled else x
     _mxfp8_matmul_kernel[(row_blocks, n_blocks, split)](
-        x, weights, scales, out, partials, counters, ends if grouped else x, row_max, rows, n, k, k_per_split,
-        *strides, BLOCK_M=tiles.block_m, ROW_SCALED=row_scaled, SWAP_AB=tiles.swap_ab,
-        WIDEN=tiles.widen if x.dtype == torch.bfloat16 or tiles.widen == 3 else 0, **common,
+        x, weights, scales, out, partials, counters, ends if grouped else x, rows, n, k, k_per_split, *strides,
+        BLOCK_M=tiles.block_m, SWAP_AB=tiles.swap_ab, WIDEN=tiles.widen if x.dtype == torch.bfloat16 else 0, **common,
     )  # fmt: skip
     return out
 

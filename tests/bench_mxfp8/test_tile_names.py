@@ -15,9 +15,9 @@ def test_every_built_in_configuration_reads_back_from_its_name() -> None:
 
 
 def test_a_list_of_names_gives_each_configuration_in_order() -> None:
-    assert tiles_list("mma0 swap_ab 128x128x64 w8 s4, mma3 16x64x128 w4 s4 split2,") == [
+    assert tiles_list("mma0 swap_ab 128x128x64 w8 s4, mma2 16x64x128 w4 s4 split2,") == [
         Tiles(128, 128, 64, 8, 4, widen=0, swap_ab=True),
-        Tiles(16, 64, 128, 4, 4, widen=3, split_k=2),
+        Tiles(16, 64, 128, 4, 4, widen=2, split_k=2),
     ]
 
 
