@@ -48,15 +48,15 @@ GEMVS = [
 ]
 # The GEMV is timed up to here (each row's program widens the weights again): tokens (experts), rows (dense)
 GEMV_UP_TO_TOKENS, GEMV_UP_TO_ROWS = 16, 4
-# MMA tiles beside the GEMV: the grouped decode default; for dense linears each MMA class and fp16 MMAs.  swap_ab
-# tiles multiply out.T = W x.T (the weights on the MMA's M side): the plan's tiles so, and the candidates
-# that compile for sm_90 (Triton 3.6) to warpgroup MMAs without spills at 4-8 CTAs a SM (bench.sm90_compile).
+# MMA tiles beside the GEMV: the plan's for each case and swap_ab variants (out.T = W x.T, the weights on the MMA's
+# M side; the dense 17-64-row plan is one), candidates that compile for sm_90 (Triton 3.6) to warpgroup MMAs without
+# spills (bench.sm90_compile).  --tiles times others.
 SWAP_CANDIDATES = [Tiles(16, 64, 128, 4, 3, swap_ab=True)]
 GROUPED_MMAS = [mxfp8_kernels.DECODE_TILES, replace(mxfp8_kernels.DECODE_TILES, swap_ab=True), *SWAP_CANDIDATES]
 DENSE_MMAS = [mxfp8_kernels.DECODE_TILES, mxfp8_kernels.MEDIUM_TILES,
               mxfp8_kernels.DENSE_MEDIUM_TILES, replace(mxfp8_kernels.DECODE_TILES, swap_ab=True),
               replace(mxfp8_kernels.MEDIUM_TILES, swap_ab=True), *SWAP_CANDIDATES,
-              Tiles(32, 64, 128, 4, 3, swap_ab=True), Tiles(64, 64, 64, 4, 3, swap_ab=True)]  # fmt: skip
+              Tiles(64, 64, 64, 4, 3, swap_ab=True)]  # fmt: skip
 # --splits, from 16 rows on: the MMA tiles at fixed K splits too (each split writes and reads back rows x N float32
 # partials; no split brought 64 rows within 1.6x of cuBLAS: bench/results/mxfp8_gemv_dense_splits.json)
 DENSE_SPLITS = [replace(tiles, split_k=split) for split in (1, 2, 3, 4)
