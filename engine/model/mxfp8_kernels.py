@@ -388,7 +388,9 @@ def choose_tiles(rows: int, groups: int, routed_experts: int | None = None) -> T
     gemv_rows = min(GEMV_MAX_PAIRS, routed_experts or groups) if groups > 1 else GEMV_MAX_ROWS
     if bucket <= gemv_rows:
         return GROUPED_GEMV_TILES if groups > 1 else GEMV_TILES
-    rows_per_group = rows / max(1, min(rows, groups))
+    # Under expert parallelism the rows hold every rank's pairs over all routed experts: a group gets its share of
+    # those, not rows / groups (16 of 128 experts at 64 tokens: 4 rows each, not 32).
+    rows_per_group = rows / max(1, min(rows, routed_experts or groups))
     if rows_per_group <= 16:
         return DECODE_TILES
     if rows_per_group <= 64:

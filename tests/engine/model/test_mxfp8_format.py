@@ -224,6 +224,10 @@ def test_steps_of_a_few_rows_take_the_gemv_and_larger_ones_the_mma_tiles() -> No
     # (16 of 128 experts on this rank, the rows every rank's pairs) it follows the 128
     assert mxfp8_kernels.choose_tiles(16, 16).gemv and not mxfp8_kernels.choose_tiles(17, 16).gemv
     assert mxfp8_kernels.choose_tiles(64, 16, routed_experts=128).gemv
+    # past the GEMV, tiles by the rows an expert gets: 512 pairs over 128 experts are 4 an expert, also when this
+    # rank holds 16 of them
+    assert mxfp8_kernels.choose_tiles(512, 16, routed_experts=128) == mxfp8_kernels.DECODE_TILES
+    assert mxfp8_kernels.choose_tiles(512, 16) == mxfp8_kernels.MEDIUM_TILES
 
 
 def test_split_k_launches_leave_their_counters_at_zero_for_the_next() -> None:
