@@ -18,6 +18,7 @@ from m3stack.engine.model import fused, mxfp8, mxfp8_kernels
 from m3stack.engine.model.config import TextConfig
 from m3stack.engine.model.mlp import GatedMLP, swiglu_oai
 from m3stack.engine.model.params import empty_parameter
+from m3stack.engine.side_stream import side_stream
 
 
 @dataclass(frozen=True)
@@ -83,7 +84,7 @@ class MoE(nn.Module):
         most SMs idle, which the routed experts' launches fill."""
         if not x.is_cuda:
             return Finish(self.routed_scaling_factor, self.shared_expert(x))
-        current, side = torch.cuda.current_stream(x.device), _side_stream(x.device)
+        current, side = torch.cuda.current_stream(x.device), side_stream(x.device)
         side.wait_stream(current)  # x is written
         with torch.cuda.stream(side):
             shared = self.shared_expert(x)
@@ -193,16 +194,6 @@ class MoE(nn.Module):
         if self.gate_up_proj_scale_inv is not None:
             return x.is_cuda and x.dtype in mxfp8_kernels.ACTIVATION_DTYPES
         return use_grouped_mm(x)
-
-
-_SIDE_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
-
-
-def _side_stream(device: torch.device) -> torch.cuda.Stream:
-    """One side stream a device for every MoE layer's shared expert (the layers run one after another)."""
-    if device not in _SIDE_STREAMS:
-        _SIDE_STREAMS[device] = torch.cuda.Stream(device)
-    return _SIDE_STREAMS[device]
 
 
 class Dispatched(NamedTuple):

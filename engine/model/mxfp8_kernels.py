@@ -49,6 +49,7 @@ import triton
 import triton.language as tl
 
 from m3stack.engine.model.quantization import BLOCK_SIZE
+from m3stack.engine.side_stream import on_side_stream
 
 ACTIVATION_DTYPES = (torch.bfloat16, torch.float16)
 DEFAULT_SMS = 132  # H100/H200; the grid sizing's guess where no CUDA device answers (the CPU interpreter)
@@ -494,26 +495,28 @@ def _row_blocks(rows: int, groups: int | None, tiles: Tiles) -> int:
     return triton.cdiv(rows, tiles.block_m) + (min(groups, rows) if groups is not None else 0)
 
 
-_COUNTERS: dict[torch.device, torch.Tensor] = {}
+_COUNTERS: dict[tuple[torch.device, bool], torch.Tensor] = {}  # by device and whether on its side stream
 COUNTERS_MIN = 65536  # tiles a device's counters cover at first (256 KiB); M3's decode launches need < 1,000
 
 
 def split_counters(device: torch.device, tiles: int) -> torch.Tensor:
     """Zeroed int32 arrival counters for ``tiles`` output tiles of a split-K launch on ``device``.
 
-    The launch's last program a tile sets its counter back to 0, so one buffer a device serves every launch after
-    it, eager or replayed from a CUDA graph: no memset and no sum kernel a launch (torch's sum and copy took 9 us of
-    a 1-token step's split linear on the H200, a sum kernel 2.5 us).  Launches of one device run one after another
-    (the engine issues its matmuls on one stream).  During CUDA graph capture a buffer too small is not grown (its
+    The launch's last program a tile sets its counter back to 0, so one buffer serves every launch after it, eager
+    or replayed from a CUDA graph: no memset and no sum kernel a launch (torch's sum and copy took 9 us of a 1-token
+    step's split linear on the H200, a sum kernel 2.5 us).  A device's launches on its main stream run one after
+    another, and so do those on its side stream (``engine.side_stream``: the MoE's shared expert), but the two may
+    overlap: each has its own buffer.  During CUDA graph capture a buffer too small is not grown (its
     memory would come from the graph's pool): the launch gets counters of its own, zeroed by a memset the graph
     replays."""
-    counters = _COUNTERS.get(device)
+    key = (device, device.type == "cuda" and on_side_stream(device))
+    counters = _COUNTERS.get(key)
     if counters is not None and counters.numel() >= tiles:
         return counters
     if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
         return torch.zeros(tiles, dtype=torch.int32, device=device)
-    _COUNTERS[device] = torch.zeros(max(tiles, COUNTERS_MIN), dtype=torch.int32, device=device)
-    return _COUNTERS[device]
+    _COUNTERS[key] = torch.zeros(max(tiles, COUNTERS_MIN), dtype=torch.int32, device=device)
+    return _COUNTERS[key]
 
 
 def _check_layout(weights: torch.Tensor, scales: torch.Tensor) -> None:

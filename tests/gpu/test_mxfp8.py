@@ -36,6 +36,7 @@ from m3stack.engine.model.tiny import ensure_tiny_checkpoint
 from m3stack.engine.runtime import offline
 from m3stack.engine.runtime.request import SamplingParams
 from m3stack.engine.runtime.validation import build_request
+from m3stack.engine.side_stream import side_stream
 from tests.engine.model.hf_oracle import token_errors
 from tests.engine.model.paged_runner import Chunk, PagedRunner, Sequence
 
@@ -81,6 +82,27 @@ def test_dense_kernel_is_as_accurate_as_cublas(shape: tuple[int, int, int], tile
     ours = mxfp8_kernels.mxfp8_linear(x, values, scales, tiles)
     assert ours.dtype == torch.bfloat16 and not ours.isnan().any()
     assert _error(ours, reference) <= 1.5 * _error(torch.nn.functional.linear(x, dense), reference) + 1e-4
+
+
+def test_split_k_launches_on_the_main_and_the_side_stream_overlap_without_sharing_counters() -> None:
+    """The MoE's shared expert runs on the side stream while the routed experts run on the main one, both possibly
+    splitting K: 50 pairs of split launches released together on both streams give the bits each gives alone."""
+    values, scales, _ = _weights(HIDDEN, 8192, seed=22)
+    x = torch.randn(1, 8192, device="cuda").to(torch.bfloat16)
+    assert mxfp8_kernels.plan_launch(1, HIDDEN, 8192, None, x.device, DECODE_TILES).split > 1
+    alone = mxfp8_kernels.mxfp8_linear(x, values, scales, DECODE_TILES)
+    main, side = torch.cuda.current_stream(), side_stream(x.device)
+    outputs = []
+    for _ in range(50):
+        side.wait_stream(main)
+        torch.cuda._sleep(1_000_000)  # both streams' launches queue behind these and start together
+        with torch.cuda.stream(side):
+            torch.cuda._sleep(1_000_000)
+            on_side = mxfp8_kernels.mxfp8_linear(x, values, scales, DECODE_TILES)
+        on_main = mxfp8_kernels.mxfp8_linear(x, values, scales, DECODE_TILES)
+        main.wait_stream(side)
+        outputs += [on_side, on_main]
+    assert all(torch.equal(out, alone) for out in outputs)
 
 
 @pytest.mark.parametrize("tiles", [DECODE_TILES, DENSE_MEDIUM_TILES, PREFILL_TILES])
