@@ -143,11 +143,12 @@ def stages(results_dir: Path, selected: set[str] | None) -> list[Stage]:
         # against BF16 in the same run at the targets' sizes, alone on the GPU, in a minute (sizes past the budget
         # are left out, the table still prints); then the kernels', the MXFP8 model's and the engine's GPU tests.
         Stage("mxfp8_moe", bench("mxfp8_moe", "--budget-s", "30", "--tokens", "1,4,16,64,512,2048,8192",
-                                 "--rank-tokens", "8,8192"), 60),
+                                 "--rank-tokens", "8,64,8192"), 60),
         pytest_stage("mxfp8_tests", ["test_mxfp8.py"], 200),
-        # The dense linears with MXFP8 weights against cuBLAS's bf16 at decode sizes (~30 s), and the GEMV's and
-        # the MMA tiles' configurations (swap_ab candidates included) at decode sizes (~240 s).
-        Stage("mxfp8_linears", bench("mxfp8_linears"), 90),
+        # The dense linears with MXFP8 weights against cuBLAS's bf16 at decode and prefill sizes, the kernel and
+        # widening + cuBLAS each (~60 s), and the GEMV's and the MMA tiles' configurations (swap_ab candidates
+        # included) at decode sizes (~240 s).
+        Stage("mxfp8_linears", bench("mxfp8_linears", "--rows", "1,4,16,64,128,256,2048"), 90),
         Stage("mxfp8_gemv", bench("mxfp8_gemv", "--budget-s", "240"), 280),
         # Issue 29 item 5: the serving benchmark's model in BF16 (a) and MXFP8 (f) in the same run, with dense MLPs
         # and with MoE layers (bench/README.md, "MXFP8 weights (config f)").  a first, with 3 shares of the budget:
