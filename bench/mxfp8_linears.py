@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 
 from bench.common import cuda_time_us, graphed, int_list, markdown_table, write_results
 from m3stack.engine.model import mxfp8, mxfp8_kernels
@@ -52,9 +53,10 @@ def measure(name: str, n: int, k: int, rows_list: list[int]) -> list[dict[str, A
         x = torch.randn(rows, k, generator=generator, device="cuda").to(torch.bfloat16)
         plan = mxfp8_kernels.plan_launch(rows, n, k, None, x.device)
         paths = {
-            "bf16": lambda: torch.nn.functional.linear(x, dense),  # noqa: B023
+            "bf16": lambda: F.linear(x, dense),  # noqa: B023
             "mxfp8": lambda: mxfp8_kernels.mxfp8_linear(x, values, scales),  # noqa: B023
-            "dequant": lambda: dequantized_linear(x, values, scales),  # noqa: B023
+            # mxfp8.linear's path past DENSE_KERNEL_MAX_ROWS rows, at every size
+            "dequant": lambda: F.linear(x, mxfp8_kernels.dequantize_matrix(values, scales, x.dtype)),  # noqa: B023
         }
         times = {path: cuda_time_us(graphed(call), **TIMING) for path, call in paths.items()}
         default = "dequant" if rows > mxfp8.DENSE_KERNEL_MAX_ROWS else "mxfp8"
@@ -69,12 +71,6 @@ def measure(name: str, n: int, k: int, rows_list: list[int]) -> list[dict[str, A
         logger.info("%s", row)
         out.append(row)
     return out
-
-
-def dequantized_linear(x: torch.Tensor, values: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    """``mxfp8.linear``'s path past ``DENSE_KERNEL_MAX_ROWS`` rows, whatever the rows."""
-    scratch = torch.empty((1, *values.shape), dtype=x.dtype, device=x.device)
-    return torch.nn.functional.linear(x, mxfp8_kernels.dequantize_groups(values[None], scales[None], scratch)[0])
 
 
 def main() -> int:

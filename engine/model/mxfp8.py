@@ -76,8 +76,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor, bias: to
     ``DENSE_KERNEL_MAX_ROWS`` rows, ``W`` widened into a scratch of ``x``'s dtype and cuBLAS's matmul."""
     if x.is_cuda and x.dtype in mxfp8_kernels.ACTIVATION_DTYPES:
         if x.numel() > DENSE_KERNEL_MAX_ROWS * x.shape[-1]:
-            scratch = torch.empty((1, *weight.shape), dtype=x.dtype, device=x.device)
-            return F.linear(x, mxfp8_kernels.dequantize_groups(weight[None], scales[None], scratch)[0], bias)
+            return F.linear(x, mxfp8_kernels.dequantize_matrix(weight, scales, x.dtype), bias)
         out = mxfp8_kernels.mxfp8_linear(x.reshape(-1, x.shape[-1]), weight, scales)
         out = out.view(*x.shape[:-1], weight.shape[0])
         return out if bias is None else out + bias

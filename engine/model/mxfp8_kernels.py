@@ -354,6 +354,13 @@ def dequantize_groups(weights: torch.Tensor, scales: torch.Tensor, out: torch.Te
     return out
 
 
+def dequantize_matrix(weight: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """One MXFP8 matrix ``[N, K]`` (block-major ``scales``) widened into a new ``[N, K]`` tensor of ``dtype``."""
+    out = torch.empty(weight.shape, dtype=dtype, device=weight.device)
+    dequantize_groups(weight[None], scales[None], out[None])
+    return out
+
+
 def mxfp8_linear(
     x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor, tiles: Tiles | None = None
 ) -> torch.Tensor:

@@ -278,6 +278,9 @@ def test_dequantize_groups_writes_the_exact_weights(dtype: torch.dtype) -> None:
     out = torch.full((3, 70, 288), float("nan"), dtype=dtype)
     mxfp8_kernels.dequantize_groups(values, mxfp8.block_major(scales), out)
     assert torch.equal(out, mxfp8.dequantize(values, scales, dtype))
+    # one matrix into a new tensor (dense linears past the kernel's rows)
+    matrix = mxfp8_kernels.dequantize_matrix(values[1], mxfp8.block_major(scales)[1], dtype)
+    assert matrix.dtype == dtype and torch.equal(matrix, out[1])
 
 
 @triton.jit
