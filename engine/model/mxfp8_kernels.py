@@ -31,8 +31,8 @@ partials; the last program of each output tile to arrive (an atomic counter a ti
 deterministic, and no second launch.
 
 The scales are read block-major: the ``N`` bytes of one 32-input block contiguous (``mxfp8.block_major``, the
-layout the model's parameters are given in memory; checkpoints store ``[N, K / 32]`` row-major), so each
-32-input sub-tile of weights comes with one contiguous row of scales.
+layout the model's parameters are given in memory; checkpoints store ``[N, K / 32]`` row-major), so a K tile's
+scales are ``K / 32`` contiguous rows of ``N`` bytes.
 
 ``dequantize_groups`` widens whole FP8 matrices into a bf16 scratch the same way: the MoE's large steps can
 multiply through torch's bf16 grouped GEMM instead (``moe.MoE.grouped_dequantized``), where the step is bound by
@@ -321,7 +321,7 @@ def _dequantize_kernel(
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):  # fmt: skip
     """One ``[BLOCK_N, BLOCK_K]`` tile of group ``program_id(0)``'s weights widened to the output's dtype, read as
-    32-input sub-tiles with one contiguous row of (block-major) scales each, as the matmul reads them."""
+    32-input sub-tiles with one contiguous row of (block-major) scales each."""
     group = tl.program_id(0).to(tl.int64)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_n = offs_n < n
