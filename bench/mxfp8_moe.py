@@ -18,11 +18,10 @@ the same random tokens, so all run the same experts.
   router) over its time, against the H200's measured 4.27 TB/s copy ceiling (``../shared/gpu/README.md``).
 * After timing, each size checks both MXFP8 paths against the BF16 layer holding the dequantized weights
   (relative error of the outputs, ``*_err``).
-* ``--budget-s`` bounds the timed sizes (the ones past it are left out, logged); ``--sweep``: the grouped GEMM
-  alone at decode steps (1 and 64 tokens) and a prefill step (8192), gate|up and down, over launch configurations
-  (tiles, warps, stages, the in-register widening), beside torch's bf16 grouped GEMM.
+* ``--budget-s`` bounds the timed sizes (the ones past it are left out, logged).  The grouped GEMM alone over
+  launch configurations is ``bench.mxfp8_gemv``'s (``--tokens``, ``--tiles``).
 
-    python -m bench.mxfp8_moe [--out DIR] [--sweep] [--budget-s S] [--tokens 1,2,...] [--rank-tokens 1,...]
+    python -m bench.mxfp8_moe [--out DIR] [--budget-s S] [--tokens 1,2,...] [--rank-tokens 1,...]
 """
 
 import argparse
@@ -37,10 +36,9 @@ import torch
 
 from bench.common import M3_MOE, cuda_time_us, graphed, int_list, markdown_table, write_results
 from m3stack.engine.distributed.layers import ShardedMoE
-from m3stack.engine.model import mxfp8, mxfp8_kernels
+from m3stack.engine.model import mxfp8
 from m3stack.engine.model.config import TextConfig, parse_config
-from m3stack.engine.model.moe import MoE, grouped_mm
-from m3stack.engine.model.mxfp8_kernels import Tiles
+from m3stack.engine.model.moe import MoE
 
 logger = logging.getLogger("bench.mxfp8_moe")
 
@@ -53,23 +51,6 @@ COLUMNS = ["layer", "tokens", "rows_per_expert", "experts_run", "bf16_us", "fuse
            "dequant_err"]  # fmt: skip
 PATHS = {"fused": math.inf, "dequant": 0.0}  # MoE.dequantize_from_rows (rows an expert) for each
 TIMING = {"warmup_ms": 10, "rep_ms": 60}  # short medians: the stage has a minute for ~40 timings
-SWEEP_COLUMNS = ["case", "tiles", "us", "bf16_us", "bf16_over"]
-SWEEP_DECODE = [
-    Tiles(16, 64, 128, 4, 4),  # the plan's decode tiles
-    Tiles(16, 64, 256, 4, 3),
-    Tiles(16, 64, 128, 4, 4, widen=1),
-    Tiles(16, 64, 128, 4, 4, widen=2),
-    Tiles(16, 128, 128, 4, 4),
-    Tiles(16, 32, 128, 4, 4),
-]
-SWEEP_PREFILL = [
-    Tiles(128, 128, 64, 8, 4, widen=1),
-    Tiles(128, 128, 64, 8, 4, widen=2),
-    Tiles(128, 256, 64, 8, 3),
-    Tiles(64, 128, 64, 4, 4),
-    Tiles(128, 128, 128, 8, 3),
-]
-SWEEP_CASES = [(1, SWEEP_DECODE), (64, SWEEP_DECODE), (8192, SWEEP_PREFILL)]  # decode steps and a prefill step
 
 
 M3_TEXT: TextConfig = parse_config({"model_type": "minimax_m3_vl", "text_config": M3_MOE}).text
@@ -215,59 +196,10 @@ def timed_sizes(name: str, pair: tuple[MoE, MoE], sizes: list[int], budget_end: 
     return rows
 
 
-def sweep(quantized: MoE, budget_end: float) -> list[dict[str, Any]]:
-    """The grouped GEMM alone over launch configurations, beside torch's bf16 grouped GEMM on the same rows."""
-    out = []
-    experts = quantized.gate_up_proj.shape[0]
-    for tokens, configs in SWEEP_CASES:
-        pairs = tokens * M3_MOE["num_experts_per_tok"]
-        generator = torch.Generator(device="cuda").manual_seed(pairs)
-        ids = torch.randint(0, experts, (pairs,), generator=generator, device="cuda").sort().values
-        ends = torch.bincount(ids, minlength=experts).cumsum(0).to(torch.int32)
-        for proj in ("gate_up_proj", "down_proj"):
-            weights, scales = getattr(quantized, proj), getattr(quantized, proj + "_scale_inv")
-            x = torch.randn(pairs, weights.shape[2], generator=generator, device="cuda").to(torch.bfloat16)
-            reference, bf16_us = _bf16_grouped(x, weights, scales, ends)
-            for tiles in [mxfp8_kernels.choose_tiles(pairs, experts), *configs]:
-                if time.monotonic() > budget_end:
-                    logger.warning("sweep cut by its budget")
-                    return out
-                case = f"{tokens} tokens {proj}"
-                try:
-                    result = mxfp8_kernels.mxfp8_grouped_mm(x, weights, scales, ends, tiles)
-                    error = float((result.float() - reference.float()).norm() / reference.float().norm())
-                    us = cuda_time_us(lambda: mxfp8_kernels.mxfp8_grouped_mm(x, weights, scales, ends, tiles))  # noqa: B023
-                except Exception as exc:  # one failing config must not hide the others
-                    out.append({"case": case, "tiles": str(tiles), "error": repr(exc)[:200]})
-                    continue
-                row = {"case": case, "tiles": _short(tiles), "us": us, "bf16_us": bf16_us, "bf16_over": bf16_us / us,
-                       "rel_err": error}  # fmt: skip
-                logger.info("%s", row)
-                out.append(row)
-    return out
-
-
-def _bf16_grouped(
-    x: torch.Tensor, weights: torch.Tensor, scales: torch.Tensor, ends: torch.Tensor
-) -> tuple[torch.Tensor, float]:
-    """torch's bf16 grouped GEMM over the dequantized weights: its output (the reference) and its time."""
-    dense = torch.empty(weights.shape, dtype=torch.bfloat16, device="cuda")
-    for expert in range(weights.shape[0]):
-        dense[expert] = mxfp8.dequantize(weights[expert], scales[expert], torch.bfloat16)
-    transposed = dense.transpose(1, 2)
-    return grouped_mm(x, transposed, ends), cuda_time_us(lambda: grouped_mm(x, transposed, ends))
-
-
-def _short(tiles: Tiles) -> str:
-    return (f"{tiles.block_m}x{tiles.block_n}x{tiles.block_k} w{tiles.num_warps} s{tiles.num_stages} "
-            f"widen{tiles.widen}")  # fmt: skip
-
-
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=None, help="folder for mxfp8_moe.json (default bench/results)")
-    parser.add_argument("--sweep", action="store_true", help="also time the grouped GEMM's launch configurations")
-    parser.add_argument("--budget-s", type=float, default=240.0, help="time no new size (or sweep case) past this")
+    parser.add_argument("--budget-s", type=float, default=240.0, help="time no new size past this")
     parser.add_argument("--tokens", type=int_list, default=DECODE_TOKENS + PREFILL_TOKENS, help="whole layer's steps")
     parser.add_argument("--rank-tokens", type=int_list, default=RANK_TOKENS, help="the EP rank's steps")
     args = parser.parse_args()
@@ -275,7 +207,6 @@ def main() -> int:
     budget_end = time.monotonic() + args.budget_s
     whole = layers(whole_layer)
     rows = timed_sizes("whole layer", whole, args.tokens, budget_end)
-    sweep_rows = sweep(whole[1], budget_end) if args.sweep else []
     del whole
     torch.cuda.empty_cache()
     rows += timed_sizes("EP rank of 8", layers(ep_rank), args.rank_tokens, budget_end)
@@ -285,15 +216,13 @@ def main() -> int:
     extra = {"shape": "M3 MoE: hidden 6144, 128 experts x 3072 rows, top-8, shared expert 3072 rows",
              "copy_ceiling_tbps": COPY_CEILING_TBPS,
              "dequantize_from_rows_per_expert": mxfp8.DEQUANTIZE_FROM_ROWS_PER_EXPERT,
-             "crossover": crossovers, "crossover_rows_per_expert": crossover_rows, "sweep": sweep_rows}  # fmt: skip
+             "crossover": crossovers, "crossover_rows_per_expert": crossover_rows}  # fmt: skip
     write_results("mxfp8_moe", rows, extra, args.out)
     sys.stdout.write(markdown_table(rows, COLUMNS) + "\n")
     sys.stdout.write(
         f"crossover (dequant beats fused from this size on): {crossovers} tokens, {crossover_rows} rows an expert; "
         f"mxfp8.DEQUANTIZE_FROM_ROWS_PER_EXPERT = {mxfp8.DEQUANTIZE_FROM_ROWS_PER_EXPERT}\n"
     )
-    if sweep_rows:
-        sys.stdout.write(markdown_table(sweep_rows, [*SWEEP_COLUMNS, "rel_err"]) + "\n")
     return 0
 
 
