@@ -3,7 +3,9 @@
 Each engine pod gets its own channel (a Service VIP would pin every HTTP/2 stream to one pod).
 Readiness comes from the standard ``grpc.health.v1`` check plus ``GetLoads`` (``draining``);
 ``GetModelInfo`` is read whenever the engine (re)appears.  An engine that stops answering probes
-has its open calls cancelled, so no stream waits on a dead peer.
+has its open calls cancelled, so no stream waits on a dead peer.  A probe that fails while the
+engine's streams still deliver responses does not count: the engine is busy (a starved CPU, a long
+step holding the GIL), not gone, and cancelling its streams would lose the requests on it.
 """
 
 import asyncio
@@ -74,6 +76,7 @@ class EngineClient:
         self.inflight = 0
         self.down_reason = ""
         self.probed_at = -math.inf  # event loop time of the last probe's start
+        self.heard_at = -math.inf  # event loop time of the last response any stream read from it
         self._probe = probe
         self._probe_failures = 0
         self._calls: set[GenerateCall] = set()
@@ -130,6 +133,10 @@ class EngineClient:
             self.inflight -= 1
             self._inflight_gauge.dec()
 
+    def note_response(self) -> None:
+        """A stream read a response from the engine: it is alive, whatever a slow probe says."""
+        self.heard_at = asyncio.get_running_loop().time()
+
     def record_success(self) -> None:
         self.breaker.on_success()
         self._breaker_gauge.set(self.breaker.state)
@@ -172,6 +179,9 @@ class EngineClient:
                 )
             self.loads = await self.stub.GetLoads(engine_pb2.GetLoadsRequest(), timeout=timeout)
         except grpc.aio.AioRpcError as exc:
+            if self.heard_at >= self.probed_at:
+                logger.debug("engine %s: probe failed (%s) while its streams deliver", self.address, exc.code().name)
+                return
             self._on_probe_failure(f"{exc.code().name}: {exc.details()}")
             return
         self._probe_failures = 0

@@ -64,6 +64,7 @@ class EngineStream:
             raise EngineStreamError(f"engine {self.engine.address} failed: {exc.code().name}: {exc.details()}") from exc
         if response is grpc.aio.EOF:
             raise EngineStreamError(f"engine {self.engine.address} ended the stream without completing the request")
+        self.engine.note_response()
         return wire.read_response(response)
 
     def close(self, outcome: str) -> None:
@@ -135,6 +136,7 @@ class Dispatcher:
             raise
         error = next((first for first in firsts if isinstance(first, BaseException)), None)
         if error is None:
+            engine.note_response()
             firsts = [first if first is grpc.aio.EOF else wire.read_response(first) for first in firsts]
             aborted = [first for first in firsts if first is grpc.aio.EOF or _is_engine_abort(first)]
             if aborted:

@@ -15,7 +15,7 @@ import pytest
 from bench.local_load import ENGINE_ARGS
 from m3stack.local.processes import free_port
 from m3stack.local.stack import LOOPBACK, LocalStack
-from tests.helpers.serving import Samples, scrape
+from tests.helpers.serving import TEST_HEALTH_ARGS, Samples, scrape
 
 ENGINE_READY_TIMEOUT_S = 600.0  # many engineers share two cores: torch alone can take a minute to import
 GATEWAY_READY_TIMEOUT_S = 300.0
@@ -37,7 +37,7 @@ def start_stack(
         "cpu",
         log_dir,
         engine_args=[*ENGINE_ARGS, *engine_args],
-        gateway_args=["--health-interval", "0.2", "--health-timeout", "1", *gateway_args],
+        gateway_args=[*TEST_HEALTH_ARGS, *gateway_args],
     )
     try:
         stack.start(ENGINE_READY_TIMEOUT_S, GATEWAY_READY_TIMEOUT_S)

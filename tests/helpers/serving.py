@@ -11,6 +11,11 @@ from prometheus_client.parser import text_string_to_metric_families
 
 Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
 
+# Gateway flags for test stacks.  Probes every 0.2 s find a new or restarted engine quickly.  Their deadline is
+# generous: on two cores shared with the other test workers an idle engine process can go seconds unscheduled,
+# and an engine that misses two probes is taken down with its requests.  A killed engine refuses at once.
+TEST_HEALTH_ARGS = ("--health-interval", "0.2", "--health-timeout", "5")
+
 
 def scrape(url: str) -> Samples:
     """A /metrics page -> {(sample name, sorted labels): value}."""

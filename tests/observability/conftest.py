@@ -11,6 +11,7 @@ import pytest
 
 from m3stack.local.processes import ChildProcess, ProcessGroup, free_port
 from tests.helpers.otlp_collector import OtlpCollector
+from tests.helpers.serving import TEST_HEALTH_ARGS
 
 LOOPBACK = "127.0.0.1"
 READY_TIMEOUT_S = 300.0
@@ -75,7 +76,7 @@ def observed_stack(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactor
                     name,
                     ["gateway", "--model", str(tiny_model_dir), "--host", LOOPBACK, "--port", str(port),
                      "--engines", f"{LOOPBACK}:{grpc_port}", "--engine-stream", mode, "--media-workers", "0",
-                     "--health-interval", "0.2", *auth],
+                     *TEST_HEALTH_ARGS, *auth],
                     env=env,
                 )  # fmt: skip
                 gateways.append(Process(child, f"http://{LOOPBACK}:{port}"))

@@ -15,7 +15,7 @@ import openai
 import pytest
 
 from m3stack.local.processes import ChildProcess, ProcessGroup, free_port
-from tests.helpers.serving import Samples, poll_until, scrape
+from tests.helpers.serving import TEST_HEALTH_ARGS, Samples, poll_until, scrape
 
 LOOPBACK = "127.0.0.1"
 ENGINE_CONTEXT = 256
@@ -115,10 +115,7 @@ class Stack:
                 LOOPBACK,
                 "--port",
                 str(port),
-                "--health-interval",
-                "0.2",
-                "--health-timeout",
-                "1",
+                *TEST_HEALTH_ARGS,
                 *engine_args,
                 *extra,
             ],

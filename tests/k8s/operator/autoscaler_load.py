@@ -13,6 +13,7 @@ from pathlib import Path
 import httpx
 
 from m3stack.local.processes import ProcessGroup, free_port
+from tests.helpers.serving import TEST_HEALTH_ARGS
 
 LOOPBACK = "127.0.0.1"
 ENGINE_READY_TIMEOUT_S = 300.0
@@ -51,7 +52,7 @@ class LoopbackStack:
                 f"gateway-{next(self._names)}",
                 [
                     "gateway", "--model", str(self.model_dir), "--host", LOOPBACK, "--port", str(port),
-                    "--engines", ",".join(engines), "--health-interval", "0.2", "--health-timeout", "1",
+                    "--engines", ",".join(engines), *TEST_HEALTH_ARGS,
                     "--media-workers", "0",  # text only: no preprocessing processes to start
                 ],
             )  # fmt: skip
