@@ -1,9 +1,6 @@
 """MXFP8 checkpoints: the writer's layout, the loader's checks, and the tiny model's MXFP8 copy against the float
-model of its dequantized weights (ours and transformers', float32 on CPU).
-
-transformers 5.25 reads ``quant_method: mxfp8`` (its fine-grained FP8 quantizer, dequantizing on a CPU) but only
-with ``accelerate`` installed, which the dev environment lacks; so transformers' oracle runs on the dequantized
-copy, the float checkpoint the MXFP8 one stands for.
+model of its dequantized weights (ours) and against transformers loading the MXFP8 copy itself (its ``mxfp8``
+quantizer, which on a CPU dequantizes at load; it needs ``accelerate``), float32 on CPU.
 """
 
 import json
@@ -109,23 +106,33 @@ def _greedy(model, prompt):
         return PagedRunner(model, 64, "cpu").greedy(Chunk(Sequence(), prompt, None, None), NUM_TOKENS)
 
 
-def test_mxfp8_model_equals_the_model_of_its_dequantized_weights(mxfp8_dir, dequantized_dir, prompt) -> None:
-    ours_logits, ours_tokens = _greedy(load_model(mxfp8_dir, "cpu", torch.float32)[0], prompt)
+@pytest.fixture(scope="module")
+def mxfp8_greedy(mxfp8_dir, prompt):
+    return _greedy(load_model(mxfp8_dir, "cpu", torch.float32)[0], prompt)
+
+
+def test_mxfp8_model_equals_the_model_of_its_dequantized_weights(mxfp8_greedy, dequantized_dir, prompt) -> None:
+    ours_logits, ours_tokens = mxfp8_greedy
     reference_logits, reference_tokens = _greedy(load_model(dequantized_dir, "cpu", torch.float32)[0], prompt)
     assert relative_error(ours_logits, reference_logits) <= 1e-6
     assert ours_tokens == reference_tokens
-    oracle = MiniMaxM3SparseForConditionalGeneration.from_pretrained(dequantized_dir, dtype=torch.float32).eval()
+
+
+def test_mxfp8_model_matches_transformers_loading_the_mxfp8_copy(mxfp8_greedy, mxfp8_dir, prompt) -> None:
+    """transformers reads the copy's layout (scale names and shapes, quantization_config) on its own."""
+    ours_logits, ours_tokens = mxfp8_greedy
+    oracle = MiniMaxM3SparseForConditionalGeneration.from_pretrained(mxfp8_dir, dtype=torch.float32).eval()
     hf_logits, hf_tokens = hf_greedy(oracle, prompt, NUM_TOKENS)
     assert relative_error(ours_logits, hf_logits) <= 1e-4
     assert ours_tokens == hf_tokens
 
 
-def test_quantization_changes_the_model_by_e4m3_rounding(tiny_model_dir, mxfp8_dir, prompt) -> None:
-    """The comparison above could not pass by loading the float weights: the MXFP8 model's logits differ, by what
+def test_quantization_changes_the_model_by_e4m3_rounding(tiny_model_dir, mxfp8_greedy, prompt) -> None:
+    """The comparisons above could not pass by loading the float weights: the MXFP8 model's logits differ, by what
     3-bit mantissas do to this fragile random model (mean |delta| 15% of the logits' RMS, 72% of the prompt's
     argmaxes kept, measured), not by what a wrong exponent would (a factor of 2 on a block)."""
     float_logits, _ = _greedy(load_model(tiny_model_dir, "cpu", torch.float32)[0], prompt)
-    mxfp8_logits, _ = _greedy(load_model(mxfp8_dir, "cpu", torch.float32)[0], prompt)
+    mxfp8_logits, _ = mxfp8_greedy
     delta = (mxfp8_logits - float_logits).abs().mean() / float_logits.pow(2).mean().sqrt()
     assert 0.01 < delta < 0.3
     assert (mxfp8_logits.argmax(-1) == float_logits.argmax(-1)).float().mean() > 0.5
